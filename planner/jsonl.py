@@ -1,0 +1,112 @@
+"""TRAJ.jsonl: trajectories as JSON lines.
+
+One JSON object per line, one trajectory per object:
+
+    {"tokens": [int, ...],            required, non-empty, ids in [0, 2**32)
+     "tree": str | int,               optional rollout-tree id
+     "loss_mask": [0/1 or bool, ...], optional, one per token (default: every token but the first)
+     "advantage": float | [float],    optional, scalar or one per token (default 0)
+     "logprobs": [float, ...],        optional behaviour log-probs, one per token
+     "ref_logprobs": [float, ...],    optional reference log-probs, one per token
+     "weight": float,                 optional trajectory loss weight (default 1)
+     "reward": float}                 optional trajectory reward
+
+Blank lines are skipped. Any other key is an error (it is likely a typo of one of these).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from planner.trajectory import Trajectory
+
+__all__ = ["read_jsonl", "write_jsonl", "TrajectoryFileError"]
+
+_KEYS = ("tokens", "tree", "loss_mask", "advantage", "logprobs", "ref_logprobs", "weight", "reward")
+
+
+class TrajectoryFileError(ValueError):
+    """A TRAJ.jsonl file that cannot be read; the message names the file, the line and the problem."""
+
+
+def _parse(obj, where: str) -> Trajectory:
+    if not isinstance(obj, dict):
+        raise TrajectoryFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = [k for k in obj if k not in _KEYS]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, _KEYS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f" (allowed: {', '.join(_KEYS)})"
+        raise TrajectoryFileError(f"{where}: unknown key '{key}'{hint}")
+    if "tokens" not in obj:
+        raise TrajectoryFileError(f"{where}: missing required key 'tokens'")
+    tokens = obj["tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise TrajectoryFileError(f"{where}: 'tokens' must be a non-empty list of integers")
+    for key in ("loss_mask", "logprobs", "ref_logprobs"):
+        if key in obj and not isinstance(obj[key], list):
+            raise TrajectoryFileError(f"{where}: '{key}' must be a list with one entry per token")
+    try:
+        return Trajectory(
+            tokens=np.asarray(tokens, dtype=np.int64),
+            loss_mask=obj.get("loss_mask"),
+            advantage=obj.get("advantage"),
+            logprobs=obj.get("logprobs"),
+            ref_logprobs=obj.get("ref_logprobs"),
+            weight=obj.get("weight", 1.0),
+            reward=obj.get("reward"),
+            tree=obj.get("tree"),
+        )
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TrajectoryFileError(f"{where}: {e}") from None
+
+
+def read_jsonl(path: str | Path) -> list[Trajectory]:
+    """Read a TRAJ.jsonl file. Raises TrajectoryFileError naming the file and line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrajectoryFileError(f"{path}: no such file")
+    trajectories = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TrajectoryFileError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            trajectories.append(_parse(obj, where))
+    if not trajectories:
+        raise TrajectoryFileError(f"{path}: the file holds no trajectories (it is empty)")
+    return trajectories
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
+    """Write trajectories as TRAJ.jsonl (metadata that equals its default is omitted)."""
+    with Path(path).open("w") as f:
+        for t in trajectories:
+            obj: dict = {"tokens": t.tokens.tolist()}
+            if t.tree is not None:
+                obj["tree"] = t.tree
+            default_mask = np.ones(len(t), dtype=bool)
+            default_mask[0] = False
+            if not np.array_equal(t.loss_mask, default_mask):
+                obj["loss_mask"] = t.loss_mask.astype(int).tolist()
+            if np.any(t.advantage != 0):
+                adv = t.advantage
+                obj["advantage"] = float(adv[0]) if np.all(adv == adv[0]) else adv.tolist()
+            if t.logprobs is not None:
+                obj["logprobs"] = t.logprobs.tolist()
+            if t.ref_logprobs is not None:
+                obj["ref_logprobs"] = t.ref_logprobs.tolist()
+            if t.weight != 1.0:
+                obj["weight"] = t.weight
+            if t.reward is not None:
+                obj["reward"] = t.reward
+            f.write(json.dumps(obj, separators=(",", ":")) + "\n")
