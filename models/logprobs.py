@@ -1,0 +1,159 @@
+"""Compact-to-semantic log-probabilities (HARTS §3.5).
+
+Legend: C compact rows, D model dim, V vocabulary, S semantic positions (original order).
+
+A compact row's logits predict the next token of every semantic position mapped to it, and those targets may differ
+(at a fork). The vocabulary-wide log-sum-exp is computed once per compact row that some position reads, each target
+logit is gathered per semantic position, and the result is returned in original order. Vocabulary-sized tensors exist
+only for one chunk of rows at a time: forward keeps just one log-sum-exp per row, and backward recomputes each chunk's
+logits, so peak memory is O(chunk_rows x V), never S x V or C x V. Backward sums the contributions of every position
+into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compact_logprobs", "naive_compact_logprobs"]
+
+#: Bytes of fp32 vocabulary-sized scratch (logits and probabilities of one chunk) when chunk_rows is not given.
+CHUNK_BUDGET_BYTES = 512 * 2**20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _validate(hidden_CD, weight_VD, logit_row_S, target_S):
+    if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"`hidden` must be [C, D] and `weight` [V, D], got {tuple(hidden_CD.shape)} and {tuple(weight_VD.shape)}"
+        )
+    if logit_row_S.shape != target_S.shape or logit_row_S.dim() != 1:
+        raise ValueError(
+            f"`logit_row` and `target` must both be [S], got {tuple(logit_row_S.shape)} and {tuple(target_S.shape)}"
+        )
+    if logit_row_S.numel() and int(logit_row_S.max()) >= hidden_CD.shape[0]:
+        raise ValueError(f"`logit_row` holds row {int(logit_row_S.max())} but `hidden` has {hidden_CD.shape[0]} rows")
+    valid = logit_row_S >= 0
+    if valid.any():
+        t = target_S[valid]
+        if int(t.min()) < 0 or int(t.max()) >= weight_VD.shape[0]:
+            raise ValueError(
+                f"`target` ids must lie in [0, {weight_VD.shape[0]}) (vocabulary size), "
+                f"got range [{int(t.min())}, {int(t.max())}]"
+            )
+
+
+def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
+    """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
+    _validate(hidden_CD, weight_VD, logit_row_S, target_S)
+    logp_CV = torch.log_softmax((hidden_CD @ weight_VD.T).to(_compute_dtype(hidden_CD.dtype)), dim=-1)
+    valid = logit_row_S >= 0
+    rows = logit_row_S.clamp(min=0)
+    out = torch.where(valid, logp_CV[rows, target_S.clamp(min=0)], torch.zeros((), dtype=logp_CV.dtype))
+    if not entropy:
+        return out
+    ent_C = -(logp_CV.exp() * logp_CV).sum(-1)
+    return out, torch.where(valid, ent_C[rows], torch.zeros((), dtype=ent_C.dtype))
+
+
+class CompactLogprobsFunction(torch.autograd.Function):
+    """Chunked log-softmax gather over the used rows `rows_U`. Predictions are `pred_row_P` (index into rows_U)."""
+
+    @staticmethod
+    def forward(ctx, hidden_CD, weight_VD, rows_U, pred_row_P, target_P, chunk_rows, with_entropy):
+        cdt = _compute_dtype(hidden_CD.dtype)
+        U = rows_U.numel()
+        lse_U = torch.empty(U, dtype=cdt, device=hidden_CD.device)
+        ent_U = torch.empty(U, dtype=cdt, device=hidden_CD.device) if with_entropy else None
+        for a in range(0, U, chunk_rows):
+            b = min(a + chunk_rows, U)
+            logits = (hidden_CD[rows_U[a:b]] @ weight_VD.T).to(cdt)
+            lse = torch.logsumexp(logits, dim=-1)
+            lse_U[a:b] = lse
+            if with_entropy:
+                logp = logits - lse[:, None]
+                ent_U[a:b] = -(logp.exp() * logp).sum(-1)
+        # Target logits: one dot product per prediction, no vocabulary-sized tensor.
+        tgt_P = (hidden_CD[rows_U[pred_row_P]].to(cdt) * weight_VD[target_P].to(cdt)).sum(-1)
+        ctx.save_for_backward(hidden_CD, weight_VD, rows_U, pred_row_P, target_P, lse_U, ent_U)
+        ctx.chunk_rows = chunk_rows
+        ctx.with_entropy = with_entropy
+        logprob_P = tgt_P - lse_U[pred_row_P]
+        if with_entropy:
+            return logprob_P, ent_U[pred_row_P]
+        return logprob_P
+
+    @staticmethod
+    def backward(ctx, dlogprob_P, dentropy_P=None):
+        hidden_CD, weight_VD, rows_U, pred_row_P, target_P, lse_U, ent_U = ctx.saved_tensors
+        cdt = lse_U.dtype
+        U = rows_U.numel()
+        dlogprob_P = dlogprob_P.to(cdt)
+        # Sum of incoming gradients per used row: the softmax part of every prediction's gradient.
+        g_U = torch.zeros(U, dtype=cdt, device=lse_U.device).index_add_(0, pred_row_P, dlogprob_P)
+        ge_U = None
+        if ctx.with_entropy and dentropy_P is not None:
+            ge_U = torch.zeros(U, dtype=cdt, device=lse_U.device).index_add_(0, pred_row_P, dentropy_P.to(cdt))
+        dhidden_CD = torch.zeros_like(hidden_CD) if ctx.needs_input_grad[0] else None
+        dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device) if ctx.needs_input_grad[1] else None
+        # Predictions sorted by row so each chunk finds its targets with one searchsorted.
+        order = torch.argsort(pred_row_P, stable=True)
+        sorted_rows = pred_row_P[order]
+        for a in range(0, U, ctx.chunk_rows):
+            b = min(a + ctx.chunk_rows, U)
+            h = hidden_CD[rows_U[a:b]]
+            logits = (h @ weight_VD.T).to(cdt)
+            logp = logits - lse_U[a:b, None]
+            p = logp.exp()
+            dlogits = p * (-g_U[a:b, None])
+            if ge_U is not None:
+                dlogits -= ge_U[a:b, None] * p * (logp + ent_U[a:b, None])
+            lo, hi = torch.searchsorted(sorted_rows, torch.tensor([a, b], device=sorted_rows.device)).tolist()
+            sel = order[lo:hi]
+            dlogits.index_put_((pred_row_P[sel] - a, target_P[sel]), dlogprob_P[sel], accumulate=True)
+            dlogits = dlogits.to(hidden_CD.dtype)
+            if dhidden_CD is not None:
+                dhidden_CD.index_add_(0, rows_U[a:b], dlogits @ weight_VD)
+            if dweight_VD is not None:
+                dweight_VD += (dlogits.T @ h).to(cdt)
+        if dweight_VD is not None:
+            dweight_VD = dweight_VD.to(weight_VD.dtype)
+        return dhidden_CD, dweight_VD, None, None, None, None, None
+
+
+def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
+    """Per-semantic-position log-probabilities from compact hidden states.
+
+    Args:
+        hidden_CD: [C, D] final (normed) hidden states of the compact rows, any float dtype.
+        weight_VD: [V, D] LM head weight.
+        logit_row_S: [S] int64, the row whose logits predict position s (-1: position predicts nothing, e.g. the first
+            token of a trajectory; its output is 0 and carries no gradient).
+        target_S: [S] int64, the token id at position s.
+        chunk_rows: rows per vocabulary-sized chunk; default keeps the fp32 scratch near 512 MiB.
+        entropy: also return the entropy of each position's predictive distribution.
+    Returns:
+        logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested. Rows that no position reads are
+        never multiplied by the LM head.
+    Reference: `naive_compact_logprobs` (same signature).
+    """
+    _validate(hidden_CD, weight_VD, logit_row_S, target_S)
+    V = weight_VD.shape[0]
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_BUDGET_BYTES // (2 * 4 * V))
+    if chunk_rows < 1:
+        raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
+    cdt = _compute_dtype(hidden_CD.dtype)
+    valid = logit_row_S >= 0
+    rows_U, pred_row_P = torch.unique(logit_row_S[valid], return_inverse=True)
+    result = CompactLogprobsFunction.apply(
+        hidden_CD, weight_VD, rows_U, pred_row_P, target_S[valid], int(chunk_rows), bool(entropy)
+    )
+    outputs = result if entropy else (result,)
+    full = []
+    for values in outputs:
+        out = torch.zeros(logit_row_S.shape, dtype=cdt, device=hidden_CD.device)
+        full.append(out.masked_scatter(valid, values))
+    return tuple(full) if entropy else full[0]
