@@ -1,0 +1,35 @@
+"""`python -m app CONFIG.toml [--print-config] [--section.key=value ...]` (what ./run.sh runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.config import ConfigError, JobConfig
+from app.config_loader import load_config, to_toml
+from planner.jsonl import TrajectoryFileError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="./run.sh",
+        description="Run an Arbor job. Extra arguments --section.key=value override the config file.",
+    )
+    parser.add_argument("config", help="TOML job config (e.g. configs/demo.toml)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        config = load_config(JobConfig, args.config, overrides)
+        if args.print_config:
+            print(to_toml(config), end="")
+            return 0
+        from app.plan_report import run_plan_report
+
+        return run_plan_report(config)
+    except (ConfigError, TrajectoryFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

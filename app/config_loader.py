@@ -1,0 +1,190 @@
+"""TOML -> typed dataclasses, with strict checking and `--section.key=value` overrides.
+
+Every section of a job config is a kw_only dataclass; every field has a type annotation and a default. Unknown keys,
+wrong types and missing files raise `ConfigError`, whose message names the key (with a did-you-mean for typos) or
+the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_toml"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key or file and how to fix it."""
+
+
+def _did_you_mean(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(choices))})"
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str):
+    """Check `value` (from TOML or parsed from the command line) against annotation `tp`."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"`{key}` must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"`{key}` must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"`{key}` must be a list, got {value!r}")
+        (item,) = get_args(tp)[:1] or (Any,)
+        coerced = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return coerced if origin is list else tuple(coerced)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{key}` must be a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"`{key}` must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"`{key}` must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"`{key}` must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"`{key}` must be a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{key}` must be a table, got {value!r}")
+        return _build(tp, value, key)
+    raise ConfigError(f"`{key}` has an unsupported annotation {_type_name(tp)}")  # a bug in a config class
+
+
+def _build(cls, table: dict, prefix: str):
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            raise ConfigError(f"unknown key `{name}`{_did_you_mean(key, fields)}")
+        kwargs[key] = _coerce(value, hints[key], name)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"[{prefix}] {e}" if prefix else str(e)) from None
+
+
+def _parse_scalar(text: str):
+    """A command-line value: TOML syntax if it parses as a TOML value, else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """['--train.steps=3', '--model.preset=tiny'] -> {'train': {'steps': 3}, 'model': {'preset': 'tiny'}}."""
+    tree: dict = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"override `{arg}` must look like --section.key=value")
+        path, text = arg[2:].split("=", 1)
+        parts = path.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override `{arg}` must name a section and a key: --section.key=value")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_scalar(text)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
+    """Read TOML file `path` (None: defaults only), apply overrides, and build `cls`."""
+    table: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    table = _merge(table, parse_overrides(list(overrides)))
+    config = _build(cls, table, "")
+    base = path.parent if path is not None else Path.cwd()
+    if hasattr(config, "resolve_paths"):
+        config.resolve_paths(base)
+    return config
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def to_toml(config) -> str:
+    """The resolved config as TOML (None values are shown as comments: TOML has no null)."""
+    lines = []
+    for section, table in to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
