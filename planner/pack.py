@@ -64,7 +64,8 @@ class CompactBatch:
     Semantic positions ([S], original trajectory order, trajectory i at [traj_offsets[i], traj_offsets[i+1])):
         sem_to_compact: the map m, row of each semantic position.
         logit_row: row whose logits predict this position's token (m of the previous position), -1 for a first token.
-        sem_tokens, loss_mask, advantage, logprobs, ref_logprobs (NaN where not given), weight, traj_index.
+        sem_tokens, loss_mask, advantage, weight, traj_index; logprobs and ref_logprobs are None when no trajectory
+        has them, else NaN where a trajectory lacks them.
     """
 
     tokens: np.ndarray
@@ -84,8 +85,8 @@ class CompactBatch:
     sem_tokens: np.ndarray
     loss_mask: np.ndarray
     advantage: np.ndarray
-    logprobs: np.ndarray
-    ref_logprobs: np.ndarray
+    logprobs: np.ndarray | None
+    ref_logprobs: np.ndarray | None
     weight: np.ndarray
     traj_index: np.ndarray
     trajectories: Sequence[Trajectory]
@@ -198,9 +199,11 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     loss_mask = np.concatenate([t.loss_mask for t in trajectories])
     loss_mask[traj_offsets[:-1]] = False  # a first token is never predicted
 
-    def cat(name: str, fill: float = np.nan) -> np.ndarray:
+    def cat_optional(name: str) -> np.ndarray | None:
         parts = [getattr(t, name) for t in trajectories]
-        return np.concatenate([p if p is not None else np.full(len(t), fill) for p, t in zip(parts, trajectories)])
+        if all(p is None for p in parts):
+            return None
+        return np.concatenate([p if p is not None else np.full(len(t), np.nan) for p, t in zip(parts, trajectories)])
 
     return CompactBatch(
         tokens=tokens,
@@ -220,8 +223,8 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
         sem_tokens=np.concatenate(toks).astype(np.int64, copy=False),
         loss_mask=loss_mask,
         advantage=np.concatenate([t.advantage for t in trajectories]),
-        logprobs=cat("logprobs"),
-        ref_logprobs=cat("ref_logprobs"),
+        logprobs=cat_optional("logprobs"),
+        ref_logprobs=cat_optional("ref_logprobs"),
         weight=np.repeat(np.array([t.weight for t in trajectories], dtype=np.float64), lengths),
         traj_index=np.repeat(np.arange(n, dtype=np.int64), lengths),
         trajectories=trajectories,
