@@ -1,0 +1,19 @@
+"""Linear-attention ops with per-sequence states: each has a plain-torch reference (`naive.py`, CPU, float64-capable)
+and an fla fast path with the same signature; the dispatchers pick fla for CUDA tensors, the reference otherwise.
+
+    models.ops.kda.kda_core      KDA delta-rule core      (naive_chunk_kda / chunk_kda)
+    models.ops.gdn.gdn_core      GDN delta-rule core      (naive_chunk_gdn / chunk_gdn)
+    models.ops.conv.short_conv   short causal conv        (naive_causal_conv1d / causal_conv1d)
+    models.ops.norm.gated_rms_norm  gated RMSNorm         (naive_rms_norm_gated / rms_norm_gated)
+
+Delta-rule cores take packed sequences (`cu_seqlens`), one initial state per sequence, return final states and any
+requested chunk-boundary states (differentiable); the chunk partition is in `models.ops.delta_rule.partition`.
+fla is imported only when a fast path runs, so importing this package is cheap on CPU.
+"""
+
+from models.ops.conv import short_conv
+from models.ops.gdn import gdn_core
+from models.ops.kda import kda_core
+from models.ops.norm import gated_rms_norm
+
+__all__ = ["gated_rms_norm", "gdn_core", "kda_core", "short_conv"]
