@@ -1,0 +1,237 @@
+"""The hybrid decoder: embeddings -> layers (pre-norm mixer + pre-norm FFN, residual) -> final norm -> LM head.
+
+Legend: T tokens (packed rows), B batch rows, N packed sequences, D model dim, V vocabulary.
+
+Module tree and parameter names are those of transformers 5's Qwen3NextForCausalLM / KimiLinearForCausalLM
+(`model.embed_tokens`, `model.layers.{i}.input_layernorm`, `.self_attn` or `.linear_attn`, `.post_attention_layernorm`,
+`.mlp`, `model.norm`, `lm_head`), so `state_dict()` lines up with `transformers`' `state_dict()` one to one.
+`models.hf_io` converts to the on-disk checkpoint layout (per-expert tensors, split convs, ...).
+
+Flat packed forward: rows of N sequences are concatenated; `cu_seqlens` `[N+1]` marks the sequences; positions
+restart at 0 in each sequence unless given; full attention is causal inside each sequence; linear attention and the
+short conv restart from zero states at every sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.attention_core import VarlenCausalMask
+from models.config import GatedAttentionConfig, GDNConfig, ModelConfig
+from models.dtypes import DTYPES, upcast
+from models.ffn import SwiGLU
+from models.gated_attention import GatedAttention
+from models.gdn import GatedDeltaNet
+from models.kda import KimiDeltaAttention
+from models.mla import MLA
+from models.moe import MoE, MoEStats
+from models.norms import RMSNorm
+
+@dataclass
+class FlatContext:
+    """What every layer needs for a flat packed forward."""
+
+    position_ids: torch.Tensor
+    """LongTensor `[T]`."""
+    cu_seqlens: torch.Tensor
+    """LongTensor `[N+1]`."""
+    mask: VarlenCausalMask
+    """Full-attention mask description."""
+
+
+@dataclass
+class DecoderOutput:
+    hidden: torch.Tensor
+    """`[T, D]` (or `[B, T, D]`) final-normed hidden states."""
+    moe_stats: list[MoEStats | None]
+    """Per layer: router statistics of MoE layers, None for dense layers."""
+
+
+@dataclass
+class CausalLMOutput(DecoderOutput):
+    logits: torch.Tensor | None = None
+    """`[T, V]` (or `[B, T, V]`) logits in the model dtype."""
+
+
+def mixer_attribute(config: ModelConfig, layer_type: str) -> str:
+    """Attribute name of a layer's token mixer: Qwen3-Next calls its linear attention `linear_attn`; every other
+    mixer is `self_attn`."""
+    if layer_type == "linear_attention" and config.family == "qwen3_next":
+        return "linear_attn"
+    return "self_attn"
+
+
+class DecoderLayer(nn.Module):
+    """x = x + mixer(input_layernorm(x)); x = x + mlp(post_attention_layernorm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.ffn_type = config.ffn_types[layer_idx]
+        D, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
+        if self.layer_type == "full_attention":
+            if isinstance(config.full_attention, GatedAttentionConfig):
+                mixer = GatedAttention(config.full_attention, D, eps, zc)
+            else:
+                mixer = MLA(config.full_attention, D, zc)
+        elif isinstance(config.linear_attention, GDNConfig):
+            mixer = GatedDeltaNet(config.linear_attention, D, eps)
+        else:
+            mixer = KimiDeltaAttention(config.linear_attention, D, eps)
+        self.mixer_name = mixer_attribute(config, self.layer_type)
+        setattr(self, self.mixer_name, mixer)
+        self.mlp = SwiGLU(D, config.dense_ffn.intermediate_size) if self.ffn_type == "dense" else MoE(config.moe, D)
+        self.input_layernorm = RMSNorm(D, eps, zc)
+        self.post_attention_layernorm = RMSNorm(D, eps, zc)
+        self.checkpoint_activations = False
+
+    @property
+    def mixer(self) -> GatedAttention | MLA | GatedDeltaNet | KimiDeltaAttention:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x_TD: torch.Tensor, ctx: FlatContext) -> tuple[torch.Tensor, MoEStats | None]:
+        h_TD = self.input_layernorm(x_TD)
+        if self.layer_type == "full_attention":
+            h_TD = self.mixer(h_TD, ctx.position_ids, ctx.mask)
+        else:
+            h_TD = self.mixer(h_TD, ctx.cu_seqlens)
+        x_TD = x_TD + h_TD
+        h_TD = self.post_attention_layernorm(x_TD)
+        if self.ffn_type == "moe":
+            h_TD, stats = self.mlp(h_TD)
+        else:
+            h_TD, stats = self.mlp(h_TD), None
+        return x_TD + h_TD, stats
+
+
+class HybridModel(nn.Module):
+    """`embed_tokens`, `layers`, `norm` (transformers' `model` submodule)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
+
+
+def flat_context(T: int, position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None, device) -> FlatContext:
+    """Validate packed inputs and fill defaults: one sequence if no cu_seqlens; positions restart per sequence."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], dtype=torch.long, device=device)
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+    if cu_seqlens.dim() != 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (cu_seqlens.diff() <= 0).any():
+        raise ValueError(
+            f"`cu_seqlens` must be increasing offsets from 0 to the number of tokens {T}, got {cu_seqlens.tolist()}"
+        )
+    if position_ids is None:
+        starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+        position_ids = torch.arange(T, device=device) - starts
+    elif position_ids.shape != (T,):
+        raise ValueError(f"`position_ids` must have shape [{T}], got {tuple(position_ids.shape)}")
+    return FlatContext(position_ids.to(device=device, dtype=torch.long), cu_seqlens, VarlenCausalMask(cu_seqlens))
+
+
+class HybridForCausalLM(nn.Module):
+    """The decoder with its LM head (`model`, `lm_head`; no `lm_head` module when embeddings are tied)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = HybridModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+        self.to(DTYPES[config.dtype])
+        self.keep_upcast_buffers()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """`[V, D]` output projection (the embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def keep_upcast_buffers(self) -> None:
+        """Expert-score biases stay fp32 (float64 in float64 models): their updates are below bf16 resolution."""
+        dtype = upcast(DTYPES[self.config.dtype])
+        for module in self.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.to(dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random initialisation as transformers: normal(0, initializer_range) for projections, embeddings, routers
+        and experts; norms to their identity; mixer-specific gate parameters by their own `reset_parameters`."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, MoE):
+                nn.init.normal_(module.gate.weight, std=std)
+                nn.init.normal_(module.experts.gate_up_proj, std=std)
+                nn.init.normal_(module.experts.down_proj, std=std)
+                if module.config.expert_bias:
+                    module.gate.e_score_correction_bias.zero_()
+            if module is not self and hasattr(module, "reset_parameters") and not isinstance(
+                module, (nn.Linear, nn.Embedding, nn.Conv1d)
+            ):
+                module.reset_parameters()
+
+    def set_activation_checkpointing(self, layers: bool | Iterable[int]) -> None:
+        """Recompute the activations of the given layers (True = all, False = none) in backward."""
+        chosen = set(range(self.config.num_layers)) if layers is True else set() if layers is False else set(layers)
+        for i, layer in enumerate(self.model.layers):
+            layer.checkpoint_activations = i in chosen
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> DecoderOutput:
+        """Final-normed hidden states of a flat forward.
+
+        Args:
+            input_ids: LongTensor `[T]` (packed rows) or `[B, T]` (B equal-length sequences; then no cu_seqlens or
+                position_ids).
+            position_ids: LongTensor `[T]`; default: restart at 0 in every sequence.
+            cu_seqlens: LongTensor `[N+1]`; default: one sequence.
+        Returns: DecoderOutput with hidden `[T, D]` (`[B, T, D]`) and per-layer MoE stats.
+        """
+        batch_shape = None
+        if input_ids.dim() == 2:
+            if position_ids is not None or cu_seqlens is not None:
+                raise ValueError("`[B, T]` input_ids take no `position_ids` / `cu_seqlens`: pack them as `[T]` rows")
+            batch_shape = input_ids.shape
+            B, L = batch_shape
+            cu_seqlens = torch.arange(0, B * L + 1, L, device=input_ids.device)
+            input_ids = input_ids.reshape(-1)
+        elif input_ids.dim() != 1:
+            raise ValueError(f"`input_ids` must be [T] or [B, T], got shape {tuple(input_ids.shape)}")
+        ctx = flat_context(input_ids.shape[0], position_ids, cu_seqlens, input_ids.device)
+        x_TD = self.model.embed_tokens(input_ids)
+        stats: list[MoEStats | None] = []
+        for layer in self.model.layers:
+            if layer.checkpoint_activations and torch.is_grad_enabled():
+                x_TD, s = checkpoint(layer, x_TD, ctx, use_reentrant=False)
+            else:
+                x_TD, s = layer(x_TD, ctx)
+            stats.append(s)
+        hidden = self.model.norm(x_TD)
+        if batch_shape is not None:
+            hidden = hidden.view(*batch_shape, -1)
+        return DecoderOutput(hidden, stats)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """`hidden_states` plus logits over the whole vocabulary (use `hidden_states` + `lm_head_weight` with
+        `models.logprobs` to avoid materialising [T, V])."""
+        out = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        return CausalLMOutput(out.hidden, out.moe_stats, out.hidden @ self.lm_head_weight.T)

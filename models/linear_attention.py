@@ -1,0 +1,120 @@
+"""Shared skeleton of the chunkwise linear-attention mixers (GDN, KDA), split into steps for tree execution.
+
+Legend: T tokens, D model dim, C conv channels (q|k|v), W conv width, N packed sequences, H query/key heads,
+HV value heads, K/V key/value head dims, R requested boundary states.
+
+Steps (1, 3 and 5 are pure functions of their row; 2 and 4 couple the rows of one packed sequence):
+  1. `project(x)`        per-row projections: q|k|v before the conv, raw gate inputs            -> mixer's `Rows`
+  2. `conv(qkv, ...)`    short causal depthwise conv + silu per packed sequence, with optional
+                         per-sequence initial conv states                                     -> `[T, C]`
+  3. `activate(rows, qkv_conv)`  per-row: split heads, L2-normalise q and k, activate the decay
+                         g (log space, fp32) and beta (sigmoid)                                 -> `CoreInputs`
+  4. `core(inputs, ...)` chunkwise delta rule per packed sequence (models.ops), with initial states and
+                         requested chunk-boundary states passed through                         -> `[T, HV, V]`
+  5. `output(o, rows)`   per-row gated RMSNorm and output projection                            -> `[T, D]`
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.dtypes import upcast
+from models.ops import short_conv
+
+
+@dataclass
+class CoreInputs:
+    """Per-row inputs of the chunkwise core (step 4); gather rows of all five for replay."""
+
+    q: torch.Tensor
+    """`[T, H, K]` L2-normalised queries."""
+    k: torch.Tensor
+    """`[T, H, K]` L2-normalised keys."""
+    v: torch.Tensor
+    """`[T, HV, V]` values."""
+    g: torch.Tensor
+    """log decay in the upcast dtype (fp32; float64 for float64 models): `[T, HV]` (GDN) or `[T, HV, K]` (KDA)."""
+    beta: torch.Tensor
+    """`[T, HV]` write strengths in (0, 1)."""
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (float64 for float64), cast back (fla's and
+    transformers' q/k norm)."""
+    xf = x.to(upcast(x.dtype))
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class LinearAttention(nn.Module):
+    """Base of `GatedDeltaNet` and `KimiDeltaAttention`: owns the conv and the core call; subclasses define
+    `project`, `activate`, `output` and the core op `core_op`."""
+
+    core_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
+
+    def __init__(self, conv_channels: int, conv_size: int, chunk_size: int):
+        super().__init__()
+        self.conv_size = conv_size
+        self.chunk_size = chunk_size
+        # Depthwise, no bias; held as nn.Conv1d so the parameter is `conv1d.weight` `[C, 1, W]` as in transformers.
+        self.conv1d = nn.Conv1d(conv_channels, conv_channels, conv_size, groups=conv_channels, bias=False)
+
+    def conv(
+        self,
+        qkv_TC: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 2: causal depthwise conv + silu of each packed sequence (restarting at every sequence).
+
+        Args:
+            qkv_TC: `[T, C]` step-1 output.
+            cu_seqlens: LongTensor `[N+1]`.
+            initial_state: `[N, C, W]` the inputs preceding each sequence (fla convention), None = zeros.
+            output_final_state: also return each sequence's last inputs `[N, C, W]`.
+        Returns: (`[T, C]`, final state or None).
+        """
+        y, final = short_conv(
+            qkv_TC[None], self.conv1d.weight[:, 0, :], bias=None, initial_state=initial_state,
+            output_final_state=output_final_state, activation="silu", cu_seqlens=cu_seqlens,
+        )
+        return y[0], final
+
+    def core(
+        self,
+        inputs: CoreInputs,
+        cu_seqlens: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        state_seq: torch.Tensor | None = None,
+        state_chunk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Step 4: the chunkwise delta rule with chunk size `self.chunk_size` restarting at every sequence.
+
+        Args:
+            inputs: step-3 output.
+            cu_seqlens: LongTensor `[N+1]`.
+            initial_state: `[N, HV, K, V]` fp32 state per sequence (differentiable), None = zeros.
+            output_final_state: return the state after each sequence.
+            state_seq, state_chunk: LongTensor `[R]`, request the state of sequence `state_seq[r]` at the start of its
+                chunk `state_chunk[r]` (see `models.ops`).
+        Returns: (o `[T, HV, V]`, final state `[N, HV, K, V]` or None, boundary states `[R, HV, K, V]` or None).
+        """
+        o, final, boundary = self.core_op(
+            inputs.q[None], inputs.k[None], inputs.v[None], inputs.g[None], inputs.beta[None],
+            scale=None, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, state_seq=state_seq, state_chunk=state_chunk,
+        )
+        return o[0], final, boundary
+
+    def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Flat packed forward from zero states: steps 1-5."""
+        rows = self.project(x_TD)
+        qkv_TC, _ = self.conv(rows.qkv, cu_seqlens)
+        o, _, _ = self.core(self.activate(rows, qkv_TC), cu_seqlens)
+        return self.output(o, rows)

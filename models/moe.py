@@ -1,0 +1,185 @@
+"""Mixture-of-experts FFN: top-k router, routed SwiGLU experts, optional shared expert, and sum-based router stats.
+
+Legend: T tokens (rows), D model dim, E experts, k experts per token, F expert hidden width.
+
+Routing (per row, in fp32; float64 for float64 models): logits = W x; scores s = softmax(logits) or sigmoid(logits); the k experts maximise
+s + b (b = `e_score_correction_bias` when `expert_bias`, else 0; with `num_groups` > 1 only inside the `topk_groups`
+groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, divided by their sum when
+`norm_topk_prob`, times `routed_scaling_factor`. Output = sum_e w_e expert_e(x) + shared(x), where shared(x) is
+scaled by sigmoid(shared_expert_gate x) when gated. This reproduces transformers' Qwen3NextSparseMoeBlock (softmax,
+gated shared expert) and KimiLinearMoE (sigmoid, bias, scaling, ungated shared experts).
+
+Router statistics are sums over rows, each row weighted by `row_weight` (tree execution passes the multiplicity of
+a compact row, so a row that stands for q trajectory tokens counts q times), so they add across layers and
+microbatches (`MoEStats.__add__`):
+    tokens        = sum_t w_t
+    expert_counts = sum_t w_t [e in topk(t)]                      (no gradient; also the expert-bias load)
+    prob_mass     = sum_t w_t p_{t,e}, p = softmax(logits) for softmax routers, s / sum(s) for sigmoid routers
+    z_sum         = sum_t w_t logsumexp(logits_t)^2
+Losses are per-batch and token-level (one pool of tokens, not per sequence):
+    load_balancing_loss = E * sum_e (expert_counts_e / tokens) * (prob_mass_e / tokens)
+    router_z_loss       = z_sum / tokens
+Pooling the stats of all layers before `load_balancing_loss` gives exactly transformers' `load_balancing_loss_func`
+(which pools counts and probabilities over layers); calling it per layer and summing is the Switch/GShard form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import MoEConfig
+from models.dtypes import upcast
+from models.experts import expert_swiglu
+from models.ffn import SwiGLU
+
+
+@dataclass
+class Routing:
+    """Per-row routing decision."""
+
+    logits: torch.Tensor
+    """`[T, E]` fp32 router logits."""
+    scores: torch.Tensor
+    """`[T, E]` fp32 softmax or sigmoid scores (without expert bias)."""
+    experts: torch.Tensor
+    """`[T, k]` chosen experts."""
+    weights: torch.Tensor
+    """`[T, k]` fp32 combine weights."""
+
+
+@dataclass
+class MoEStats:
+    """Row-weighted sums of one MoE layer's routing (see the module docstring); add to combine."""
+
+    tokens: torch.Tensor
+    """`[]` sum of row weights."""
+    expert_counts: torch.Tensor
+    """`[E]` weighted number of top-k assignments per expert (detached)."""
+    prob_mass: torch.Tensor
+    """`[E]` weighted routing probability per expert (differentiable)."""
+    z_sum: torch.Tensor
+    """`[]` weighted sum of squared router log-sum-exp (differentiable)."""
+
+    def __add__(self, other: MoEStats) -> MoEStats:
+        return MoEStats(
+            self.tokens + other.tokens,
+            self.expert_counts + other.expert_counts,
+            self.prob_mass + other.prob_mass,
+            self.z_sum + other.z_sum,
+        )
+
+
+def load_balancing_loss(stats: MoEStats) -> torch.Tensor:
+    """E * sum_e f_e P_e with f = expert_counts / tokens, P = prob_mass / tokens."""
+    E = stats.prob_mass.shape[0]
+    return E * (stats.expert_counts / stats.tokens * (stats.prob_mass / stats.tokens)).sum()
+
+
+def router_z_loss(stats: MoEStats) -> torch.Tensor:
+    """Mean squared router log-sum-exp (ST-MoE z-loss)."""
+    return stats.z_sum / stats.tokens
+
+
+class Router(nn.Module):
+    """`weight [E, D]` and, with `expert_bias`, the fp32 buffer `e_score_correction_bias [E]` (transformers' names)."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        if config.expert_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        c = self.config
+        dtype = upcast(x_TD.dtype)
+        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        scores_TE = logits_TE.softmax(-1) if c.score_func == "softmax" else logits_TE.sigmoid()
+        choice_TE = scores_TE + self.e_score_correction_bias.to(dtype) if c.expert_bias else scores_TE
+        if c.num_groups > 1:
+            T = choice_TE.shape[0]
+            group_scores = choice_TE.view(T, c.num_groups, -1).topk(2, dim=-1).values.sum(-1)  # [T, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(c.topk_groups, dim=-1).indices, True)
+            keep_TE = keep[:, :, None].expand(-1, -1, c.num_experts // c.num_groups).reshape(T, -1)
+            choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
+        experts_Tk = choice_TE.topk(c.top_k, dim=-1).indices
+        weights_Tk = scores_TE.gather(1, experts_Tk)
+        if c.norm_topk_prob:
+            weights_Tk = weights_Tk / (weights_Tk.sum(-1, keepdim=True) + 1e-20)
+        return Routing(logits_TE, scores_TE, experts_Tk, weights_Tk * c.routed_scaling_factor)
+
+    def stats(self, routing: Routing, row_weight_T: torch.Tensor | None = None) -> MoEStats:
+        """Row-weighted router statistics; row_weight `[T]` defaults to ones."""
+        logits, scores = routing.logits, routing.scores
+        w_T = torch.ones_like(logits[:, 0]) if row_weight_T is None else row_weight_T.to(logits)
+        probs_TE = scores if self.config.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        k = routing.experts.shape[1]
+        counts_E = torch.zeros_like(logits[0]).index_add_(
+            0, routing.experts.reshape(-1), w_T.detach().repeat_interleave(k)
+        )
+        return MoEStats(
+            tokens=w_T.detach().sum(),
+            expert_counts=counts_E.detach(),
+            prob_mass=(w_T[:, None] * probs_TE).sum(0),
+            z_sum=(w_T * torch.logsumexp(logits, dim=-1).pow(2)).sum(),
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self, expert_counts_E: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3): b_e += rate * sign(mean(counts) - counts_e)."""
+        if not self.config.expert_bias:
+            raise ValueError("`update_expert_bias` needs `MoEConfig.expert_bias = True`")
+        counts = expert_counts_E.float()
+        self.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
+
+
+class Experts(nn.Module):
+    """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first), `down_proj [E, D, F]`."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int):
+        super().__init__()
+        E, F_ = config.num_experts, config.expert_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F_))
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype."""
+        T, k = routing.experts.shape
+        flat_expert = routing.experts.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token = order // k
+        counts_E = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0])
+        y_MD = expert_swiglu(x_TD[token], self.gate_up_proj, self.down_proj, counts_E)
+        y_MD = (y_MD.to(routing.weights.dtype) * routing.weights.reshape(-1)[order, None]).to(x_TD.dtype)
+        return torch.zeros_like(x_TD).index_add_(0, token, y_MD)
+
+
+class MoE(nn.Module):
+    """`gate` (Router), `experts`, and the shared expert: `shared_expert` + `shared_expert_gate` when gated
+    (Qwen3-Next), `shared_experts` when not (Kimi-Linear)."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int):
+        super().__init__()
+        self.config = config
+        self.gate = Router(config, hidden_size)
+        self.experts = Experts(config, hidden_size)
+        if config.shared_expert_gate:
+            self.shared_expert = SwiGLU(hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        elif config.shared_expert_intermediate_size:
+            self.shared_experts = SwiGLU(hidden_size, config.shared_expert_intermediate_size)
+
+    def forward(self, x_TD: torch.Tensor, row_weight_T: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
+        """x `[T, D]`, optional row weights `[T]` (statistics only) -> (`[T, D]`, MoEStats)."""
+        routing = self.gate(x_TD)
+        y_TD = self.experts(x_TD, routing)
+        if self.config.shared_expert_gate:
+            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        elif self.config.shared_expert_intermediate_size:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD, self.gate.stats(routing, row_weight_T)
