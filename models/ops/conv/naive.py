@@ -50,7 +50,8 @@ def naive_causal_conv1d(
 
     Returns: y `[B, T, D]` in x.dtype (computed in fp32, float64 for float64 inputs), final_state `[N, D, W]` in x.dtype or None.
 
-    Every output row is an elementwise function of its W input rows, so it is bitwise the same in any packing.
+    Every output row is an elementwise function of its W input rows and is the same in any packing up to the last
+    ulp: before the activation exactly, after silu up to torch's SIMD-body vs scalar-tail difference of exp.
     """
     if x.dim() != 3:
         raise ValueError(f"`x` must be [B, T, D], got shape {tuple(x.shape)}")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from models.ops.delta_rule.naive import compute_dtype
 from models.ops.delta_rule.partition import check_delta_rule_shapes, check_state_requests, make_partition
 
 ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -66,8 +67,8 @@ def chunk_delta_rule_in_rounds(
         edges = [partition.bos[i]] + [partition.bos[i] + c * chunk_size for c in cuts[i]] + [partition.eos[i]]
         pieces.append([(offsets[i] + a, offsets[i] + b) for a, b in zip(edges, edges[1:])])
 
-    zeros = q.new_zeros(v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
-    state_in = [None if initial_state is None else initial_state[i].float() for i in range(partition.num_seqs)]
+    zeros = q.new_zeros(v.shape[2], k.shape[3], v.shape[3], dtype=compute_dtype(q, k, v, g, beta))
+    state_in = [None if initial_state is None else initial_state[i].to(zeros.dtype) for i in range(partition.num_seqs)]
     states_at = [{0: zeros if s is None else s} for s in state_in]  # states_at[i][chunk] = state at that chunk start
     o_parts, rows_parts = [], []
     for r in range(max(len(p) for p in pieces)):
