@@ -1,0 +1,131 @@
+"""Lexicographic order + adjacent LCP + a sparse table: O(1) compact work of any interval and LCP of any pair.
+
+Legend: N trajectories; a *rank* is a position in the lexicographic order (rank r holds trajectory order[r]).
+
+For trajectories x_0 <= ... <= x_{N-1} in lexicographic order, lcp[r] = LCP(x_{r-1}, x_r) (lcp[0] = 0). Then
+  * LCP(x_a, x_b) = min(lcp[a+1 .. b]) for a < b (a range-minimum query, answered by the sparse table in O(1));
+  * the compact work (unique trie tokens, HARTS eq. 5) of the interval x_a .. x_b is
+    |x_a| + sum_{a<i<=b} (|x_i| - lcp[i]) = P[b+1] - P[a] + lcp[a] with P the prefix sum of |x_i| - lcp[i];
+  * the work of any set of ranks r_1 < ... < r_k is |x_{r_1}| + sum_i (|x_{r_i}| - LCP(x_{r_{i-1}}, x_{r_i})).
+Any order in which every trie subtree is contiguous has these properties; we sort by the native-endian bytes of the
+uint32 token ids (a fixed permutation of the token alphabet), which is ~5x faster than big-endian keys and is still a
+depth-first order of the trie (a proper prefix sorts before its extensions). No token-level trie is built.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from planner.trajectory import Trajectory
+
+__all__ = ["LcpIndex"]
+
+
+def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    # Compare in growing blocks: adjacent paths often share a long prefix, but most of the work is in the first block.
+    start, block = 0, 4096
+    while start < n:
+        stop = min(n, start + block)
+        neq = a[start:stop] != b[start:stop]
+        if neq.any():
+            return start + int(neq.argmax())
+        start, block = stop, block * 4
+    return n
+
+
+def _log2(x: np.ndarray) -> np.ndarray:
+    """floor(log2(x)) for int arrays x >= 1."""
+    return (np.frexp(x.astype(np.float64))[1] - 1).astype(np.int64)
+
+
+class LcpIndex:
+    """Trajectories in lexicographic order with adjacent LCPs and an O(1) range-minimum index.
+
+    Attributes ([N] int64, indexed by rank unless noted):
+        order: trajectory index at each rank.
+        rank: [N] by trajectory index, its rank.
+        lengths: token count of the trajectory at each rank.
+        lcp: lcp[r] = LCP(rank r-1, rank r), lcp[0] = 0.
+        prefix: [N+1] prefix sums of lengths - lcp, so interval work is prefix[b+1] - prefix[a] + lcp[a].
+        total_work: compact work of all trajectories together (G in HARTS eq. 7).
+    """
+
+    def __init__(self, order: np.ndarray, lengths_by_index: np.ndarray, lcp: np.ndarray):
+        self.order = np.asarray(order, dtype=np.int64)
+        n = self.order.size
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[self.order] = np.arange(n, dtype=np.int64)
+        self.lengths = np.asarray(lengths_by_index, dtype=np.int64)[self.order]
+        self.lcp = np.asarray(lcp, dtype=np.int64)
+        self.prefix = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.lengths - self.lcp, out=self.prefix[1:])
+        self.total_work = int(self.prefix[-1])
+        # table[j, i] = min(lcp[i : i + 2**j]) where i + 2**j <= N (the rest is never read).
+        levels = max(1, n.bit_length())
+        self._table = np.empty((levels, max(n, 1)), dtype=np.int64)
+        self._table[0, :n] = self.lcp
+        for j in range(1, levels):
+            span = 1 << (j - 1)
+            self._table[j, : n - 2 * span + 1] = np.minimum(
+                self._table[j - 1, : n - 2 * span + 1], self._table[j - 1, span : n - span + 1]
+            )
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Sequence[Trajectory] | Sequence[np.ndarray]) -> "LcpIndex":
+        """Sort token sequences (Trajectory objects or 1-D int arrays) and compute adjacent LCPs. O(total tokens)."""
+        tokens = [t.tokens if isinstance(t, Trajectory) else np.asarray(t) for t in trajectories]
+        keys = [t.astype(np.uint32).tobytes() for t in tokens]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        del keys
+        lcp = np.zeros(len(order), dtype=np.int64)
+        for j in range(1, len(order)):
+            lcp[j] = _first_mismatch(tokens[order[j - 1]], tokens[order[j]])
+        lengths = np.fromiter((t.size for t in tokens), dtype=np.int64, count=len(tokens))
+        return cls(np.asarray(order, dtype=np.int64), lengths, lcp)
+
+    @property
+    def size(self) -> int:
+        return int(self.order.size)
+
+    def range_min(self, lo, hi):
+        """min(lcp[lo .. hi]) (inclusive), scalars or equal-shape int arrays with lo <= hi."""
+        if np.ndim(lo) == 0 and np.ndim(hi) == 0:
+            j = (int(hi) - int(lo) + 1).bit_length() - 1
+            return int(min(self._table[j, int(lo)], self._table[j, int(hi) - (1 << j) + 1]))
+        lo = np.asarray(lo, dtype=np.int64)
+        hi = np.asarray(hi, dtype=np.int64)
+        j = _log2(hi - lo + 1)
+        return np.minimum(self._table[j, lo], self._table[j, hi - (1 << j) + 1])
+
+    def pair_lcp(self, a, b):
+        """LCP of the trajectories at ranks a and b (scalars or arrays, any order; LCP(x, x) = |x|)."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        if lo.ndim == 0:
+            return int(self.lengths[lo]) if lo == hi else self.range_min(lo + 1, hi)
+        out = self.lengths[lo].copy()
+        differ = lo != hi
+        if differ.any():
+            out[differ] = self.range_min(lo[differ] + 1, hi[differ])
+        return out
+
+    def interval_work(self, a, b):
+        """Compact work of the ranks a .. b inclusive (scalars or arrays)."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        work = self.prefix[b + 1] - self.prefix[a] + self.lcp[a]
+        return int(work) if work.ndim == 0 else work
+
+    def set_work(self, ranks) -> int:
+        """Compact work of any set of ranks (HARTS eq. 5); duplicates are counted once."""
+        r = np.unique(np.asarray(ranks, dtype=np.int64))
+        if r.size == 0:
+            return 0
+        if r.size == 1:
+            return int(self.lengths[r[0]])
+        shared = self.range_min(r[:-1] + 1, r[1:])
+        return int(self.lengths[r].sum() - shared.sum())
