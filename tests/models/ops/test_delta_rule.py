@@ -159,7 +159,6 @@ def test_boundary_states_match_split_and_chain(op_name):
     op, per_channel = OPS[op_name]
     lengths, chunk_size = [63, 1, 130, 64], 16
     x = make_inputs(1, sum(lengths), 2, 4, 8, 6, per_channel, torch.float64, N=4, requires_grad=True)
-    _, cu_seqlens = pack([x["q"]], [sum(lengths)])
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     # Mid-sequence, initial (chunk 0), final (chunk == number of chunks: 4, 1, 9, 4) and a repeated request.
     requests = [(0, 2), (2, 3), (2, 7), (1, 0), (1, 1), (3, 4), (2, 3), (0, 1), (2, 8)]
@@ -191,8 +190,8 @@ def test_chunk_partition_is_bitwise_exact(op_name):
     o, final, boundary = op(*(x[n] for n in names), initial_state=x["initial_state"], output_final_state=True,
                             chunk_size=chunk_size, state_seq=torch.tensor([0]), state_chunk=torch.tensor([start // chunk_size]))
     other = make_inputs(1, 45, 2, 4, 16, 8, per_channel, torch.float32, seed=4)
-    packed, cu_seqlens = pack([other["q"], x["q"][:, start:]], [45, 150 - start])
     rest = {n: pack([other[n], x[n][:, start:]], [45, 150 - start])[0] for n in names}
+    cu_seqlens = torch.tensor([0, 45, 45 + 150 - start])
     h0 = torch.cat([other["initial_state"], boundary])
     o_rest, final_rest, _ = op(*(rest[n] for n in names), initial_state=h0, output_final_state=True,
                                cu_seqlens=cu_seqlens, chunk_size=chunk_size)
