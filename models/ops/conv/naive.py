@@ -17,7 +17,11 @@ def _sequence_bounds(batch: int, tokens: int, cu_seqlens: torch.Tensor | None) -
     """Flat (row-major over `[B, T]`) start and end of every sequence."""
     if cu_seqlens is None:
         return [b * tokens for b in range(batch)], [(b + 1) * tokens for b in range(batch)]
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError("`cu_seqlens` must be a 1-D int32/int64 tensor [N+1] of cumulative sequence lengths")
     if batch != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (pack sequences along T), got B={batch}")
@@ -48,7 +52,8 @@ def naive_causal_conv1d(
         activation: None, "silu" or "swish".
         cu_seqlens: LongTensor `[N+1]` packing N sequences along T (B must be 1); None = each row is a sequence.
 
-    Returns: y `[B, T, D]` in x.dtype (computed in fp32, float64 for float64 inputs), final_state `[N, D, W]` in x.dtype or None.
+    Returns: y `[B, T, D]` in x.dtype (computed in fp32, float64 for float64 inputs),
+    final_state `[N, D, W]` in x.dtype or None.
 
     Every output row is an elementwise function of its W input rows and is the same in any packing up to the last
     ulp: before the activation exactly, after silu up to torch's SIMD-body vs scalar-tail difference of exp.
@@ -66,7 +71,9 @@ def naive_causal_conv1d(
     starts, ends = _sequence_bounds(B, T, cu_seqlens)
     N = len(starts)
     if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
-        raise ValueError(f"`initial_state` must have shape {[N, D, W]} (N = sequences), got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"`initial_state` must have shape {[N, D, W]} (N = sequences), got {tuple(initial_state.shape)}"
+        )
 
     dtype = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     device = x.device

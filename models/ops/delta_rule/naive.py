@@ -30,12 +30,17 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def delta_rule_chunk(
-    q_HLK: torch.Tensor, k_HLK: torch.Tensor, v_HLV: torch.Tensor, g_HL: torch.Tensor, beta_HL: torch.Tensor,
+    q_HLK: torch.Tensor,
+    k_HLK: torch.Tensor,
+    v_HLV: torch.Tensor,
+    g_HL: torch.Tensor,
+    beta_HL: torch.Tensor,
     state_HKV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of the gated delta rule. g_HL is `[HV, L, K]` (per-channel decay) or `[HV, L]` (per-head decay).
 
-    All inputs are in the compute dtype; q is already scaled. Returns (o `[HV, L, V]`, state after the chunk `[HV, K, V]`).
+    All inputs are in the compute dtype; q is already scaled.
+    Returns (o `[HV, L, V]`, state after the chunk `[HV, K, V]`).
     """
     L = q_HLK.shape[1]
     # Inclusive log-decay from the chunk start to each row: gc[t] = g[0] + ... + g[t].

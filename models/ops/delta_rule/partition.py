@@ -46,7 +46,11 @@ def make_partition(batch: int, tokens: int, cu_seqlens: torch.Tensor | None, chu
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
     if cu_seqlens is None:
         return ChunkPartition(tuple(range(batch)), (0,) * batch, (tokens,) * batch, chunk_size)
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError("`cu_seqlens` must be a 1-D int32/int64 tensor [N+1] of cumulative sequence lengths")
     if batch != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (pack sequences along T), got B={batch}")
@@ -69,7 +73,10 @@ def check_state_requests(
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor [R]")
     if state_seq.shape != state_chunk.shape:
-        raise ValueError(f"`state_seq` {tuple(state_seq.shape)} and `state_chunk` {tuple(state_chunk.shape)} must have the same shape [R]")
+        raise ValueError(
+            f"`state_seq` {tuple(state_seq.shape)} and `state_chunk` {tuple(state_chunk.shape)} "
+            "must have the same shape [R]"
+        )
     requests = list(zip(state_seq.tolist(), state_chunk.tolist()))
     for r, (i, c) in enumerate(requests):
         if not 0 <= i < partition.num_seqs:
@@ -110,4 +117,6 @@ def check_delta_rule_shapes(
     if tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"`beta` must have shape {[B, T, HV]}, got {tuple(beta.shape)}")
     if initial_state is not None and tuple(initial_state.shape) != (num_seqs, HV, K, V):
-        raise ValueError(f"`initial_state` must have shape {[num_seqs, HV, K, V]} (N = sequences), got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"`initial_state` must have shape {[num_seqs, HV, K, V]} (N = sequences), got {tuple(initial_state.shape)}"
+        )

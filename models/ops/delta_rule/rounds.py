@@ -49,7 +49,9 @@ def chunk_delta_rule_in_rounds(
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"with `cu_seqlens` the batch size must be 1 (pack sequences along T), got B={B}")
         check_delta_rule_shapes(q, k, v, g, beta, initial_state, num_seqs, per_channel_gate)
-        o, final_state = kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, None, chunk_size)
+        o, final_state = kernel(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, None, chunk_size
+        )
         return o.to(v.dtype), final_state, None
 
     partition = make_partition(B, T, cu_seqlens, chunk_size)
@@ -61,7 +63,10 @@ def chunk_delta_rule_in_rounds(
     offsets = [partition.batch_row[i] * T for i in range(partition.num_seqs)]
 
     # Cuts: requested chunk starts strictly inside a sequence. pieces[i][j] = flat token range of piece j.
-    cuts = [sorted({c for s, c in requests if s == i and 0 < c < partition.num_chunks(i)}) for i in range(partition.num_seqs)]
+    cuts = [
+        sorted({c for s, c in requests if s == i and 0 < c < partition.num_chunks(i)})
+        for i in range(partition.num_seqs)
+    ]
     pieces = []
     for i in range(partition.num_seqs):
         edges = [partition.bos[i]] + [partition.bos[i] + c * chunk_size for c in cuts[i]] + [partition.eos[i]]
@@ -69,7 +74,8 @@ def chunk_delta_rule_in_rounds(
 
     zeros = q.new_zeros(v.shape[2], k.shape[3], v.shape[3], dtype=compute_dtype(q, k, v, g, beta))
     state_in = [None if initial_state is None else initial_state[i].to(zeros.dtype) for i in range(partition.num_seqs)]
-    states_at = [{0: zeros if s is None else s} for s in state_in]  # states_at[i][chunk] = state at that chunk start
+    # states_at[i][c] = state of sequence i at the start of its chunk c, filled as the rounds produce them.
+    states_at = [{0: zeros if s is None else s} for s in state_in]
     o_parts, rows_parts = [], []
     for r in range(max(len(p) for p in pieces)):
         seqs = [i for i in range(partition.num_seqs) if len(pieces[i]) > r]

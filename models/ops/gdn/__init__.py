@@ -5,11 +5,25 @@ from models.ops.gdn.chunk import chunk_gdn
 from models.ops.gdn.naive import naive_chunk_gdn
 
 
-def gdn_core(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-             chunk_size=64, state_seq=None, state_chunk=None):
+def gdn_core(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    state_seq=None,
+    state_chunk=None,
+):
     """Signature and returns of `models.ops.gdn.naive.naive_chunk_gdn`."""
     op = chunk_gdn if use_fla(v) else naive_chunk_gdn
-    return op(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk)
+    return op(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk
+    )
 
 
 __all__ = ["chunk_gdn", "gdn_core", "naive_chunk_gdn"]

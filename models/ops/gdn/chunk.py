@@ -1,7 +1,8 @@
 """fla fast path for the GDN core (CUDA): `fla.ops.gated_delta_rule.chunk_gated_delta_rule` with the plain
 delta-rule flags, plus boundary states.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims, R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
+R requested states.
 Reference with the same signature: `models.ops.gdn.naive.naive_chunk_gdn`.
 Note (fla.md section 3): fla's GDN backward raises on Hopper with triton >= 3.4, < 3.7.1 unless `tilelang` is installed.
 """
@@ -19,7 +20,11 @@ def fla_gdn_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, c
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         scale=scale,
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state,
@@ -53,6 +58,18 @@ def chunk_gdn(
     if chunk_size not in FLA_GDN_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be one of {FLA_GDN_CHUNK_SIZES} on the fla GDN path, got {chunk_size!r}")
     return chunk_delta_rule_in_rounds(
-        fla_gdn_kernel, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        state_seq, state_chunk, per_channel_gate=False,
+        fla_gdn_kernel,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        state_seq,
+        state_chunk,
+        per_channel_gate=False,
     )

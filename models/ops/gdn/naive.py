@@ -1,6 +1,7 @@
 """Plain-torch reference for Gated DeltaNet (GDN): per-head scalar gated delta rule, chunkwise, packed.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims, R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
+R requested states.
 """
 
 import torch
@@ -26,9 +27,21 @@ def naive_chunk_gdn(
     g `[B, T, HV]`. Matches `fla.ops.gated_delta_rule.naive_recurrent_gated_delta_rule` mathematically
     (which takes `beta` before `g`).
 
-    Returns (o `[B, T, HV, V]` in v.dtype, final_state `[N, HV, K, V]` fp32 or None, boundary_states `[R, HV, K, V]` fp32 or None).
+    Returns (o `[B, T, HV, V]` in v.dtype, final_state `[N, HV, K, V]` fp32 or None,
+    boundary_states `[R, HV, K, V]` fp32 or None).
     """
     return naive_chunk_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        state_seq,
+        state_chunk,
         per_channel_gate=False,
     )

@@ -5,11 +5,25 @@ from models.ops.kda.chunk import chunk_kda
 from models.ops.kda.naive import naive_chunk_kda
 
 
-def kda_core(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-             chunk_size=64, state_seq=None, state_chunk=None):
+def kda_core(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    state_seq=None,
+    state_chunk=None,
+):
     """Signature and returns of `models.ops.kda.naive.naive_chunk_kda`."""
     op = chunk_kda if use_fla(v) else naive_chunk_kda
-    return op(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk)
+    return op(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk
+    )
 
 
 __all__ = ["chunk_kda", "kda_core", "naive_chunk_kda"]

@@ -1,6 +1,7 @@
 """fla fast path for the KDA core (CUDA): `fla.ops.kda.chunk_kda` with the plain delta-rule flags, plus boundary states.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims, R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
+R requested states.
 Reference with the same signature: `models.ops.kda.naive.naive_chunk_kda`.
 """
 
@@ -17,7 +18,11 @@ def fla_kda_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, c
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     return fla_chunk_kda(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         scale=scale,
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state,
@@ -55,6 +60,18 @@ def chunk_kda(
     if q.dim() == 4 and q.shape[-1] > 256:
         raise ValueError(f"the fla KDA path needs head dim K <= 256, got K={q.shape[-1]}")
     return chunk_delta_rule_in_rounds(
-        fla_kda_kernel, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        state_seq, state_chunk, per_channel_gate=True,
+        fla_kda_kernel,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        state_seq,
+        state_chunk,
+        per_channel_gate=True,
     )

@@ -1,6 +1,7 @@
 """Plain-torch reference for Kimi Delta Attention (KDA): per-channel gated delta rule, chunkwise, packed.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims, R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
+R requested states.
 """
 
 import torch
@@ -46,6 +47,17 @@ def naive_chunk_kda(
     exactness contract. Matches `fla.ops.kda.naive.naive_recurrent_kda` / `naive_chunk_kda` mathematically.
     """
     return naive_chunk_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        state_seq,
+        state_chunk,
         per_channel_gate=True,
     )

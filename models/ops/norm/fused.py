@@ -1,6 +1,7 @@
 """fla fast path for the gated RMSNorm (CUDA): `fla.modules.norm.fused_norm_gate.rms_norm_gated`.
 
-Legend: ... leading dims, D normalised dim. Reference with the same signature: `models.ops.norm.naive.naive_rms_norm_gated`.
+Legend: ... leading dims, D normalised dim.
+Reference with the same signature: `models.ops.norm.naive.naive_rms_norm_gated`.
 """
 
 import torch

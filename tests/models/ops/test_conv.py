@@ -44,7 +44,9 @@ def test_packed_sequences_read_only_their_own_history(activation):
         err = (y[0, start:end] - expected).abs().max().item()
         assert err < 1e-12, f"sequence {i}: max abs diff {err:.3e}"
         # fla's convention: the final state is the last W inputs of [initial_state slots; rows].
-        assert torch.equal(final[i], torch.cat([x["initial_state"][i].T, x["x"][0, start:end]])[-W:].T), f"final state {i}"
+        assert torch.equal(final[i], torch.cat([x["initial_state"][i].T, x["x"][0, start:end]])[-W:].T), (
+            f"final state {i}"
+        )
 
 
 def test_batch_without_state_is_zero_padded_conv():
@@ -53,7 +55,9 @@ def test_batch_without_state_is_zero_padded_conv():
     weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
     y, final = naive_causal_conv1d(x, weight, bias, activation="swish")
     # transformers' causal_conv1d_fn torch fallback: F.conv1d with padding W-1, truncated, then silu.
-    expected = F.silu(F.conv1d(x.transpose(1, 2), weight[:, None, :], bias, padding=W - 1, groups=D)[..., :11]).transpose(1, 2)
+    expected = F.silu(
+        F.conv1d(x.transpose(1, 2), weight[:, None, :], bias, padding=W - 1, groups=D)[..., :11]
+    ).transpose(1, 2)
     assert final is None
     assert (y - expected).abs().max().item() < 1e-6
 
@@ -68,7 +72,9 @@ def test_packed_equals_separate_and_gradients():
     grads = torch.autograd.grad((y * wy).sum() + (final * wf).sum(), inputs)
     loss = 0
     for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-        y_i, final_i = naive_causal_conv1d(x["x"][:, start:end], x["weight"], x["bias"], x["initial_state"][i : i + 1], True, "silu")
+        y_i, final_i = naive_causal_conv1d(
+            x["x"][:, start:end], x["weight"], x["bias"], x["initial_state"][i : i + 1], True, "silu"
+        )
         # Not bitwise: torch's vectorised silu differs from its scalar tail loop in the last ulp.
         assert (y_i[0] - y[0, start:end]).abs().max().item() < 1e-15, f"sequence {i}"
         assert torch.equal(final_i[0], final[i]), f"final state of sequence {i}"
@@ -103,7 +109,9 @@ def test_final_state_slot_zero_carries_no_gradient():
     """As in fla: slot 0 of the state is padding, so its gradient is dropped (the forward never reads it)."""
     x, cu_seqlens = make_conv_inputs([6, 2], requires_grad=True)
     _, final = naive_causal_conv1d(x["x"], x["weight"], None, x["initial_state"], True, None, cu_seqlens)
-    dx, dh0 = torch.autograd.grad(final[..., 0].sum(), [x["x"], x["initial_state"]], allow_unused=True, materialize_grads=True, retain_graph=True)
+    dx, dh0 = torch.autograd.grad(
+        final[..., 0].sum(), [x["x"], x["initial_state"]], allow_unused=True, materialize_grads=True, retain_graph=True
+    )
     assert not dx.any() and not dh0.any()
     dx, dh0 = torch.autograd.grad(final[..., 1].sum(), [x["x"], x["initial_state"]])
     # Slot 1 of the 6-row sequence is x[6-3]; of the 2-row sequence it is initial_state slot 3.

@@ -31,7 +31,11 @@ def assert_close(actual, expected, tol, what):
 def loss_weights(o, final, boundary, seed=1):
     """Random linear functional of every output, so each gradient path is exercised."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) for t in (o, final, boundary) if t is not None]
+    return [
+        torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+        for t in (o, final, boundary)
+        if t is not None
+    ]
 
 
 def weighted_loss(outputs, weights):
@@ -44,8 +48,15 @@ def test_naive_matches_sequential_recurrence(op_name, chunk_size):
     op, per_channel = OPS[op_name]
     x = make_inputs(B=2, T=37, H=2, HV=4, K=8, V=6, per_channel_gate=per_channel, dtype=torch.float64)
     o, final, boundary = op(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.7, initial_state=x["initial_state"],
-        output_final_state=True, chunk_size=chunk_size,
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        scale=0.7,
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        chunk_size=chunk_size,
     )
     o_ref, final_ref = sequential_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.7, x["initial_state"])
     assert boundary is None
@@ -61,7 +72,9 @@ def test_float32_dtypes_and_zero_initial_state(op_name):
     o, final, _ = op(x["q"], x["k"], x["v"].bfloat16(), x["g"], x["beta"], output_final_state=True, chunk_size=8)
     assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
     zeros = torch.zeros(1, 2, 8, 4)
-    o_ref, final_ref = sequential_delta_rule(x["q"], x["k"], x["v"].bfloat16().float(), x["g"], x["beta"], 8**-0.5, zeros)
+    o_ref, final_ref = sequential_delta_rule(
+        x["q"], x["k"], x["v"].bfloat16().float(), x["g"], x["beta"], 8**-0.5, zeros
+    )
     assert_close(o.float(), o_ref, 1e-2, "o (bf16)")
     assert_close(final, final_ref, 2e-5, "final_state")
 
@@ -72,7 +85,9 @@ def test_kda_matches_fla_naive():
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     o, final, _ = naive_chunk_kda(*args, initial_state=x["initial_state"], output_final_state=True, chunk_size=16)
     o_rec, final_rec = fla.naive_recurrent_kda(*args, initial_state=x["initial_state"], output_final_state=True)
-    o_chunk, final_chunk = fla.naive_chunk_kda(*args, initial_state=x["initial_state"], output_final_state=True, chunk_size=16)
+    o_chunk, final_chunk = fla.naive_chunk_kda(
+        *args, initial_state=x["initial_state"], output_final_state=True, chunk_size=16
+    )
     for expected_o, expected_final, name in ((o_rec, final_rec, "recurrent"), (o_chunk, final_chunk, "chunk")):
         assert_close(o, expected_o, 2e-5, f"o vs fla naive_{name}_kda")
         assert_close(final, expected_final, 2e-5, f"final_state vs fla naive_{name}_kda")
@@ -86,7 +101,9 @@ def test_gdn_matches_fla_naive():
     o, final, _ = naive_chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
     # Argument-order gotcha: the recurrent version takes beta before g, the chunk version chunk_size before scale.
     o_rec, final_rec = fla.naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0, output_final_state=True)
-    o_chunk, final_chunk = fla.naive_chunk_gated_delta_rule(q, k, v, g, beta, 16, initial_state=h0, output_final_state=True)
+    o_chunk, final_chunk = fla.naive_chunk_gated_delta_rule(
+        q, k, v, g, beta, 16, initial_state=h0, output_final_state=True
+    )
     for expected_o, expected_final, name in ((o_rec, final_rec, "recurrent"), (o_chunk, final_chunk, "chunk")):
         assert_close(o, expected_o, 2e-5, f"o vs fla naive_{name}_gated_delta_rule")
         assert_close(final, expected_final, 2e-5, f"final_state vs fla naive_{name}_gated_delta_rule")
@@ -96,23 +113,36 @@ def test_gdn_matches_fla_naive():
 def test_packed_equals_separate(op_name):
     op, per_channel = OPS[op_name]
     lengths = [63, 1, 130, 64]
-    seqs = [make_inputs(1, L, 2, 4, 8, 6, per_channel, torch.float64, seed=i, requires_grad=True) for i, L in enumerate(lengths)]
+    seqs = [
+        make_inputs(1, L, 2, 4, 8, 6, per_channel, torch.float64, seed=i, requires_grad=True)
+        for i, L in enumerate(lengths)
+    ]
     names = ("q", "k", "v", "g", "beta")
     packed = {n: pack([s[n] for s in seqs], lengths)[0] for n in names}
     cu_seqlens = pack([s["q"] for s in seqs], lengths)[1]
     h0 = torch.cat([s["initial_state"] for s in seqs])
-    o, final, _ = op(*(packed[n] for n in names), initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=16)
+    o, final, _ = op(
+        *(packed[n] for n in names), initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=16
+    )
     weights = loss_weights(o, final, None)
-    grads = torch.autograd.grad(weighted_loss([o, final], weights), [s[n] for s in seqs for n in (*names, "initial_state")])
+    grads = torch.autograd.grad(
+        weighted_loss([o, final], weights), [s[n] for s in seqs for n in (*names, "initial_state")]
+    )
 
     starts = cu_seqlens.tolist()
     separate_loss = 0
     for i, s in enumerate(seqs):
-        o_i, final_i, _ = op(*(s[n] for n in names), initial_state=s["initial_state"], output_final_state=True, chunk_size=16)
+        o_i, final_i, _ = op(
+            *(s[n] for n in names), initial_state=s["initial_state"], output_final_state=True, chunk_size=16
+        )
         # Packing must not change a single bit of the forward: chunks of one sequence see only its rows and state.
-        assert torch.equal(o_i[0], o[0, starts[i]:starts[i + 1]]), f"o of sequence {i}"
+        assert torch.equal(o_i[0], o[0, starts[i] : starts[i + 1]]), f"o of sequence {i}"
         assert torch.equal(final_i[0], final[i]), f"final_state of sequence {i}"
-        separate_loss = separate_loss + (o_i[0] * weights[0][0, starts[i]:starts[i + 1]]).sum() + (final_i[0] * weights[1][i]).sum()
+        separate_loss = (
+            separate_loss
+            + (o_i[0] * weights[0][0, starts[i] : starts[i + 1]]).sum()
+            + (final_i[0] * weights[1][i]).sum()
+        )
     grads_ref = torch.autograd.grad(separate_loss, [s[n] for s in seqs for n in (*names, "initial_state")])
     for n, (a, b) in enumerate(zip(grads, grads_ref)):
         assert_close(a, b, F64_TOL, f"gradient {n} (sequence {n // 6}, input {(*names, 'initial_state')[n % 6]})")
@@ -126,8 +156,19 @@ def test_gradcheck_with_boundary_states(op_name):
     state_seq, state_chunk = torch.tensor([0, 0, 1, 1, 0]), torch.tensor([1, 2, 0, 1, 3])
 
     def run(q, k, v, g, beta, h0):
-        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=3,
-                  state_seq=state_seq, state_chunk=state_chunk)
+        return op(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=h0,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            chunk_size=3,
+            state_seq=state_seq,
+            state_chunk=state_chunk,
+        )
 
     inputs = tuple(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-8, fast_mode=True)
@@ -164,13 +205,28 @@ def test_boundary_states_match_split_and_chain(op_name):
     requests = [(0, 2), (2, 3), (2, 7), (1, 0), (1, 1), (3, 4), (2, 3), (0, 1), (2, 8)]
     state_seq, state_chunk = (torch.tensor(c) for c in zip(*requests))
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    o, final, boundary = op(*(x[n] for n in names[:5]), initial_state=x["initial_state"], output_final_state=True,
-                            cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_seq=state_seq, state_chunk=state_chunk)
+    o, final, boundary = op(
+        *(x[n] for n in names[:5]),
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        state_seq=state_seq,
+        state_chunk=state_chunk,
+    )
     o_ref, final_ref, boundary_ref = split_and_chain(op, x, lengths, chunk_size, requests)
     assert boundary.shape == (len(requests), 4, 8, 6) and boundary.dtype == torch.float64
     # Same chunks, same incoming states: every bit agrees in the forward.
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref) and torch.equal(boundary, boundary_ref)
     assert torch.equal(boundary[3], x["initial_state"][1]) and torch.equal(boundary[4], final[1])
+    starts = cu_seqlens.tolist()
+    for r, (i, c) in enumerate(requests):
+        # The state at chunk c is the final state of running only the first c chunks of the sequence.
+        prefix = [x[n][:, starts[i] : min(starts[i] + c * chunk_size, starts[i + 1])] for n in names[:5]]
+        _, prefix_final, _ = op(
+            *prefix, initial_state=x["initial_state"][i : i + 1], output_final_state=True, chunk_size=chunk_size
+        )
+        assert torch.equal(boundary[r], prefix_final[0]), f"request {r} = (sequence {i}, chunk {c})"
 
     weights = loss_weights(o, final, boundary)
     grads = torch.autograd.grad(weighted_loss([o, final, boundary], weights), [x[n] for n in names])
@@ -187,20 +243,32 @@ def test_chunk_partition_is_bitwise_exact(op_name):
     chunk_size, start = 32, 64
     x = make_inputs(1, 150, 2, 4, 16, 8, per_channel, torch.float32, seed=3)
     names = ("q", "k", "v", "g", "beta")
-    o, final, boundary = op(*(x[n] for n in names), initial_state=x["initial_state"], output_final_state=True,
-                            chunk_size=chunk_size, state_seq=torch.tensor([0]), state_chunk=torch.tensor([start // chunk_size]))
+    o, final, boundary = op(
+        *(x[n] for n in names),
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        chunk_size=chunk_size,
+        state_seq=torch.tensor([0]),
+        state_chunk=torch.tensor([start // chunk_size]),
+    )
     other = make_inputs(1, 45, 2, 4, 16, 8, per_channel, torch.float32, seed=4)
     rest = {n: pack([other[n], x[n][:, start:]], [45, 150 - start])[0] for n in names}
     cu_seqlens = torch.tensor([0, 45, 45 + 150 - start])
     h0 = torch.cat([other["initial_state"], boundary])
-    o_rest, final_rest, _ = op(*(rest[n] for n in names), initial_state=h0, output_final_state=True,
-                               cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    o_rest, final_rest, _ = op(
+        *(rest[n] for n in names),
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
     assert torch.equal(o_rest[0, 45:], o[0, start:]), "outputs of the replayed chunks differ"
     assert torch.equal(final_rest[1], final[0]), "final state differs"
 
     # Ablation that must differ: starting mid-chunk (at 70, with the exact state there) re-partitions the chunks.
-    _, state_70, _ = op(*(x[n][:, :70] for n in names), initial_state=x["initial_state"], output_final_state=True,
-                        chunk_size=chunk_size)
+    _, state_70, _ = op(
+        *(x[n][:, :70] for n in names), initial_state=x["initial_state"], output_final_state=True, chunk_size=chunk_size
+    )
     o_70, _, _ = op(*(x[n][:, 70:] for n in names), initial_state=state_70, chunk_size=chunk_size)
     assert not torch.equal(o_70[0], o[0, 70:]), "re-partitioned chunks should not be bitwise equal: the test lacks bite"
     assert_close(o_70[0], o[0, 70:], 1e-4, "re-partitioned outputs (mathematically equal)")
@@ -256,7 +324,16 @@ def test_rounds_without_requests_is_one_call(op_name):
 
     x = make_inputs(2, 20, 1, 2, 4, 4, per_channel, torch.float64)
     o, final, boundary = chunk_delta_rule_in_rounds(
-        counting_kernel, *(x[n] for n in ("q", "k", "v", "g", "beta")), None, None, False, None, 8, None, None, per_channel
+        counting_kernel,
+        *(x[n] for n in ("q", "k", "v", "g", "beta")),
+        None,
+        None,
+        False,
+        None,
+        8,
+        None,
+        None,
+        per_channel,
     )
     assert len(calls) == 1 and calls[0] is None and final is None and boundary is None
     assert torch.equal(o, op(*(x[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=8)[0])

@@ -40,8 +40,15 @@ def cuda_inputs(per_channel_gate, dtype):
 def run_with_grads(op, x, cu_seqlens, requests):
     names = ("q", "k", "v", "g", "beta", "initial_state")
     state_seq, state_chunk = (torch.tensor(c, device="cuda") for c in zip(*requests)) if requests else (None, None)
-    o, final, boundary = op(*(x[n] for n in names[:5]), initial_state=x["initial_state"], output_final_state=True,
-                            cu_seqlens=cu_seqlens, chunk_size=64, state_seq=state_seq, state_chunk=state_chunk)
+    o, final, boundary = op(
+        *(x[n] for n in names[:5]),
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        chunk_size=64,
+        state_seq=state_seq,
+        state_chunk=state_chunk,
+    )
     gen = torch.Generator(device="cuda").manual_seed(7)
     outputs = [t for t in (o, final, boundary) if t is not None]
     loss = sum((t.float() * torch.randn(t.shape, generator=gen, device="cuda")).sum() for t in outputs)
@@ -71,7 +78,9 @@ def test_fla_rounds_keep_forward_bitwise(core):
     x, cu_seqlens = cuda_inputs(per_channel, torch.bfloat16)
     (o, final, _), grads = run_with_grads(fast, x, cu_seqlens, REQUESTS)
     (o_one, final_one, _), grads_one = run_with_grads(fast, x, cu_seqlens, [])
-    assert torch.equal(o, o_one), f"{core}: o differs, max abs diff {(o.float() - o_one.float()).abs().max().item():.3e}"
+    assert torch.equal(o, o_one), (
+        f"{core}: o differs, max abs diff {(o.float() - o_one.float()).abs().max().item():.3e}"
+    )
     assert torch.equal(final, final_one), f"{core}: final states differ"
 
 
@@ -80,8 +89,12 @@ def test_fla_conv_matches_reference(activation):
     lengths = [5, 2, 9, 1, 130]
     gen = torch.Generator().manual_seed(0)
     D, W = 48, 4
-    tensors = [torch.randn(1, sum(lengths), D, generator=gen), torch.randn(D, W, generator=gen),
-               torch.randn(D, generator=gen), torch.randn(len(lengths), D, W, generator=gen)]
+    tensors = [
+        torch.randn(1, sum(lengths), D, generator=gen),
+        torch.randn(D, W, generator=gen),
+        torch.randn(D, generator=gen),
+        torch.randn(len(lengths), D, W, generator=gen),
+    ]
     x, weight, bias, h0 = (t.cuda().requires_grad_(True) for t in tensors)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     results = []

@@ -51,7 +51,9 @@ def test_gradients_match_transformers(case):
     weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     expected = torch.autograd.grad((module(x, g) * weight).sum(), [x, g, module.weight])
     y = naive_rms_norm_gated(x, g, module.weight, 1e-5, activation, round_normed_to_input_dtype=round_normed)
-    for name, a, b in zip(("x", "g", "weight"), torch.autograd.grad((y * weight).sum(), [x, g, module.weight]), expected):
+    for name, a, b in zip(
+        ("x", "g", "weight"), torch.autograd.grad((y * weight).sum(), [x, g, module.weight]), expected
+    ):
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err < 1e-6, f"gradient of {name}: relative error {err:.3e}"
 
