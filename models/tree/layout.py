@@ -6,13 +6,15 @@ W conv width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from models.tree.attention import TreeAttentionLayout
 from planner.pack import CompactBatch
 
-__all__ = ["ancestor_rows", "build_attention_layout", "conv_context_rows"]
+__all__ = ["RoundTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
 
 
 def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
@@ -83,3 +85,81 @@ def conv_context_rows(batch: CompactBatch, physical_to_compact: np.ndarray, cu_s
             out[n, j] = compact_to_physical[r]
             r = int(batch.parent[r])
     return out
+
+
+@dataclass
+class RoundTensors:
+    """One packed linear-attention call (planner.calls.RoundPlan on a device)."""
+
+    gather: torch.Tensor
+    """[T_r] physical rows fed to the core (replay rows, then own rows, per sequence)."""
+    cu_seqlens: torch.Tensor
+    """[N_r+1] sequence boundaries in `gather`."""
+    output_pos: torch.Tensor
+    """[own rows of the round] positions in `gather` whose outputs are kept (the non-replay rows), in physical order."""
+    init_state: torch.Tensor
+    """[N_r] global number of each sequence's initial state, -1 = zeros."""
+    state_seq: torch.Tensor | None
+    state_chunk: torch.Tensor | None
+    """[R_r] requested boundary states (None when the round requests none)."""
+
+
+@dataclass
+class TreeLayout:
+    """Everything tree execution of one microbatch needs, as tensors on one device; built once, read by every layer
+    and re-read (not rebuilt) by activation recomputation. Rows are in the plan's physical order.
+
+    tokens, positions [C]: token id and original position of each physical row.
+    row_weight [C]: multiplicity q of each row (MoE statistics weights).
+    seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
+    conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
+    rounds: the linear-attention calls, in order.
+    attention: full-attention visibility and branch views.
+    logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    row_weight: torch.Tensor
+    seq_cu: torch.Tensor
+    conv_context: torch.Tensor
+    rounds: list[RoundTensors]
+    attention: TreeAttentionLayout
+    logit_row: torch.Tensor
+    target: torch.Tensor
+    chunk_size: int
+    num_states: int
+
+    @staticmethod
+    def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
+        """From a packed microbatch and its planner.calls.ExecutionPlan; conv_size W of the linear-attention layers."""
+        p2c = plan.physical_to_compact
+        c2p = plan.compact_to_physical
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        rounds = []
+        for rd in plan.rounds:
+            has_states = rd.state_seq.size > 0
+            rounds.append(
+                RoundTensors(
+                    gather=as_t(rd.gather),
+                    cu_seqlens=as_t(rd.cu_seqlens),
+                    output_pos=as_t(np.flatnonzero(rd.is_output)),
+                    init_state=as_t(rd.init_state),
+                    state_seq=as_t(rd.state_seq) if has_states else None,
+                    state_chunk=as_t(rd.state_chunk) if has_states else None,
+                )
+            )
+        logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)
+        return TreeLayout(
+            tokens=as_t(batch.tokens[p2c]),
+            positions=as_t(batch.positions[p2c]),
+            row_weight=torch.as_tensor(batch.multiplicity[p2c], dtype=torch.float64, device=device),
+            seq_cu=as_t(plan.seq_row_offsets),
+            conv_context=as_t(conv_context_rows(batch, p2c, plan.seq_row_offsets, conv_size)),
+            rounds=rounds,
+            attention=build_attention_layout(batch, p2c, plan.seq_row_offsets, device),
+            logit_row=as_t(logit_row),
+            target=as_t(batch.sem_tokens),
+            chunk_size=plan.chunk_size,
+            num_states=plan.num_states,
+        )
