@@ -8,8 +8,8 @@ must issue identical generate calls).
 Environment set for the engine: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core in this process). On CPU the KV cache
 size comes from `kv_cache_memory_bytes` (the same as `VLLM_CPU_KVCACHE_SPACE`, which is then not needed);
 `VLLM_CPU_OMP_THREADS_BIND` only applies to the multiprocess executor and so is not used. Side effects on the host
-process: vLLM initialises a torch.distributed group (world size 1 for "uni"), reseeds torch/numpy/random with
-`seed`, and the CPU worker replaces `torch.set_num_threads` with a no-op that logs a warning.
+process: vLLM initialises a torch.distributed group (world size 1 for "uni") and reseeds torch/numpy/random with
+`seed`; the CPU worker's replacement of `torch.set_num_threads` by a no-op is undone after startup.
 """
 
 from __future__ import annotations
@@ -161,11 +161,16 @@ class VLLMEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
         if config.prefix_match_unit is not None:
             kwargs["prefix_match_unit"] = config.prefix_match_unit
+        set_num_threads = torch.set_num_threads
         start = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
             raise EngineError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc
+        finally:
+            # The CPU worker disables torch.set_num_threads for its OpenMP thread binding, which only the
+            # multiprocess executor performs; in-process the trainer keeps control of its threads.
+            torch.set_num_threads = set_num_threads
         self.startup_seconds = time.perf_counter() - start
         self.weight_version = 0
         self._sleep_level: int | None = None

@@ -180,3 +180,10 @@ def test_bad_environment_output_names_tree_and_turn(engine, observation, message
     config = RolloutConfig(fan_out=1, max_turns=2, max_new_tokens=4, max_env_tokens=64)
     with pytest.raises(EnvironmentOutputError, match=message):
         build_trees(engine, env, env.sample_tasks(1, random.Random(0)), config, TOKENIZER, tree_ids=[7])
+
+
+def test_engine_leaves_torch_threads_to_the_trainer(engine):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
