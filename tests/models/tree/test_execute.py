@@ -20,7 +20,7 @@ from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.pack import pack
-from tests.models.tree.branching import nested_fork_trajectories
+from bench.branching import nested_fork_trajectories
 
 TOL = 1e-10
 
@@ -45,9 +45,8 @@ def small_config(name: str):
 
 def make_model(name, dtype, seed=0):
     torch.manual_seed(seed)
-    model = HybridForCausalLM(small_config(name)).to(dtype)
-    model.reset_parameters()
-    return model
+    dtype_name = {torch.float64: "float64", torch.float32: "float32"}[dtype]
+    return HybridForCausalLM(dataclasses.replace(small_config(name), dtype=dtype_name))
 
 
 def objective(logprobs, stats, batch):

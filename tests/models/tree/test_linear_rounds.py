@@ -18,7 +18,7 @@ from models.tree.execute import linear_attention_rounds
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.pack import pack
-from tests.models.tree.branching import nested_fork_trajectories
+from bench.branching import nested_fork_trajectories
 from tests.models.tree.test_execute import make_model
 
 

@@ -1,0 +1,293 @@
+"""Fidelity of tree execution: Arbor vs trajectory-wise execution on the same weights and trajectories.
+
+    python -m bench.fidelity --model tiny-kimi-linear --device cpu --dtype float64 --json
+
+Runs (1) the trajectory-wise reference: the model's flat packed forward over every trajectory separately, twice (the
+rerun shows the reference's own run-to-run noise); (2) Arbor: pack -> minimum-call plan -> tree execution; (3) the
+no-replay ablation: side branches start from the parent's state at the fork (no chunk-aligned replay). For (2) and
+(3) it reports, against (1): max |logprob diff|, |loss diff| of a per-token policy loss with random advantages,
+max over parameters of ||g_tree - g_flat|| / ||g_flat||, |MoE aux loss diff|, the mean token-wise full-vocabulary
+logit cosine (HARTS eq. 27), and per state-handoff depth the mean symmetric KL and mean |delta NLL| (eqs. 24-26).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench.branching import nested_fork_trajectories
+from models.decoder import HybridForCausalLM
+from models.hf_io import load_hf
+from models.moe import MoEStats, load_balancing_loss, router_z_loss
+from models.presets import preset
+from models.tree.execute import tree_hidden_states
+from models.tree.layout import TreeLayout
+from planner.calls import plan_calls
+from planner.jsonl import read_jsonl
+from planner.pack import CompactBatch, pack
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+POSITION_CHUNK = 2048
+
+
+def build_model(args) -> HybridForCausalLM:
+    if args.hf:
+        model = load_hf(args.hf, dtype=DTYPES[args.dtype])
+    else:
+        config = preset(args.model)
+        if args.chunk_size and config.linear_attention is not None:
+            config = dataclasses.replace(
+                config, linear_attention=dataclasses.replace(config.linear_attention, chunk_size=args.chunk_size)
+            )
+        torch.manual_seed(args.seed)
+        model = HybridForCausalLM(dataclasses.replace(config, dtype=args.dtype))
+    return model.to(args.device)
+
+
+def pooled(stats: list[MoEStats | None]) -> MoEStats | None:
+    moe = [s for s in stats if s is not None]
+    if not moe:
+        return None
+    out = moe[0]
+    for s in moe[1:]:
+        out = out + s
+    return out
+
+
+def moe_aux(stats) -> torch.Tensor:
+    p = pooled(stats)
+    if p is None:
+        return torch.zeros((), dtype=torch.float64)
+    return (load_balancing_loss(p) + router_z_loss(p)).double()
+
+
+def semantic_logits_fn(hidden, rows, weight):
+    """Chunked access to full-vocabulary logits (fp32, or fp64 for fp64 models) of semantic positions."""
+    cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+    def get(lo, hi):
+        return (hidden[rows[lo:hi]] @ weight.T).to(cdt)
+
+    return get
+
+
+@dataclasses.dataclass
+class Run:
+    logprobs: torch.Tensor  # [S] float64 (0 for first tokens)
+    loss: torch.Tensor
+    aux: torch.Tensor
+    grads: list[torch.Tensor | None]
+    logits: object  # (lo, hi) -> [hi-lo, V] logits at semantic positions' rows
+    seconds: float
+
+
+def _logprobs_from(logits_fn, logit_rows_valid, targets, S, device) -> torch.Tensor:
+    """Log-probs [S] in float64 from chunked logits; logit_rows_valid marks positions that have a prediction."""
+    out = torch.zeros(S, dtype=torch.float64, device=device)
+    for lo in range(0, S, POSITION_CHUNK):
+        hi = min(lo + POSITION_CHUNK, S)
+        logp = torch.log_softmax(logits_fn(lo, hi), dim=-1)
+        out[lo:hi] = logp.gather(1, targets[lo:hi, None])[:, 0].double()
+    return torch.where(logit_rows_valid, out, torch.zeros((), dtype=out.dtype, device=device))
+
+
+def objective(logprobs, aux, batch: CompactBatch, device):
+    adv = torch.as_tensor(batch.advantage, dtype=torch.float64, device=device)
+    mask = torch.as_tensor(batch.loss_mask, dtype=torch.float64, device=device)
+    return -(adv * mask * logprobs).sum() / mask.sum().clamp(min=1) + 0.01 * aux
+
+
+def flat_run(model, batch: CompactBatch, device) -> Run:
+    """Trajectory-wise reference: every trajectory as its own packed sequence; logits of position s come from the
+    hidden state of position s-1 of the same trajectory."""
+    start = time.perf_counter()
+    ids = torch.as_tensor(batch.sem_tokens, device=device)
+    cu = torch.as_tensor(batch.traj_offsets, device=device)
+    pos = torch.as_tensor(np.concatenate([np.arange(len(t)) for t in batch.trajectories]), device=device)
+    out = model.hidden_states(ids, pos, cu)
+    S = ids.numel()
+    valid = torch.as_tensor(batch.logit_row >= 0, device=device)
+    prev = torch.arange(S, device=device) - 1
+    prev = torch.where(valid, prev, torch.zeros_like(prev))
+    logits = semantic_logits_fn(out.hidden, prev, model.lm_head_weight)
+    lp = _logprobs_from(logits, valid, ids, S, device)
+    aux = moe_aux(out.moe_stats)
+    loss = objective(lp, aux, batch, device)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    _sync(device)
+    return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
+
+
+def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, backend: str) -> tuple[Run, np.ndarray]:
+    start = time.perf_counter()
+    plan = plan_calls(batch, chunk_size, replay=replay)
+    conv = model.config.linear_attention.conv_size if model.config.linear_attention else 4
+    layout = TreeLayout.build(batch, plan, conv, device)
+    out = tree_hidden_states(model, layout, backend)
+    valid = layout.logit_row >= 0
+    rows = torch.where(valid, layout.logit_row, torch.zeros_like(layout.logit_row))
+    logits = semantic_logits_fn(out.hidden, rows, model.lm_head_weight)
+    lp = _logprobs_from(logits, valid, layout.target, layout.target.numel(), device)
+    aux = moe_aux(out.moe_stats)
+    loss = objective(lp, aux, batch, device)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    _sync(device)
+    run = Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
+    # Handoff depth of the row whose logits predict each position (the previous position's row).
+    depth_c = plan.handoff_depth
+    prev_rows = np.where(batch.logit_row >= 0, batch.logit_row, 0)
+    return run, depth_c[prev_rows]
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, targets: torch.Tensor) -> dict:
+    grad_rel = 0.0
+    for a, b in zip(other.grads, ref.grads):
+        if b is None or a is None:
+            continue
+        grad_rel = max(grad_rel, ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item())
+    S = valid.numel()
+    cos_sum, n_valid = 0.0, 0
+    D = int(depth.max(initial=0)) + 1
+    symkl = np.zeros(D)
+    dnll = np.zeros(D)
+    count = np.zeros(D)
+    depth_t = torch.as_tensor(depth, device=valid.device)
+    with torch.no_grad():
+        for lo in range(0, S, POSITION_CHUNK):
+            hi = min(lo + POSITION_CHUNK, S)
+            keep = valid[lo:hi]
+            if not keep.any():
+                continue
+            za, zx = ref.logits(lo, hi)[keep].double(), other.logits(lo, hi)[keep].double()
+            cos_sum += torch.nn.functional.cosine_similarity(za, zx, dim=-1).sum().item()
+            n_valid += int(keep.sum())
+            la, lx = torch.log_softmax(za, -1), torch.log_softmax(zx, -1)
+            kl_ax = (la.exp() * (la - lx)).sum(-1)
+            kl_xa = (lx.exp() * (lx - la)).sum(-1)
+            y = targets[lo:hi][keep]
+            d_nll = (la.gather(1, y[:, None]) - lx.gather(1, y[:, None]))[:, 0].abs()
+            d = depth_t[lo:hi][keep]
+            for k in torch.unique(d).tolist():
+                sel = d == k
+                symkl[k] += (0.5 * (kl_ax[sel] + kl_xa[sel])).sum().item()
+                dnll[k] += d_nll[sel].sum().item()
+                count[k] += int(sel.sum())
+    by = lambda arr: {str(k): arr[k] / count[k] for k in range(D) if count[k]}  # noqa: E731
+    return {
+        "logprob_max_abs_diff": (other.logprobs - ref.logprobs).abs().max().item(),
+        "loss_abs_diff": abs(other.loss.item() - ref.loss.item()),
+        "grad_max_rel_diff": grad_rel,
+        "moe_aux_abs_diff": abs(other.aux.item() - ref.aux.item()),
+        "mean_logit_cosine": cos_sum / max(n_valid, 1),
+        "symkl_by_depth": by(symkl),
+        "mean_abs_dnll_by_depth": by(dnll),
+        "seconds": other.seconds,
+    }
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    model = build_model(args)
+    model.set_activation_checkpointing(False)
+    chunk = model.config.linear_attention.chunk_size if model.config.linear_attention else (args.chunk_size or 64)
+    if args.trajectories:
+        trajectories = read_jsonl(args.trajectories)
+        source = args.trajectories
+    else:
+        rng = np.random.default_rng(args.seed)
+        trajectories = nested_fork_trajectories(rng, chunk, model.config.vocab_size, depth=args.depth,
+                                                tail=args.tail or chunk, trees=args.trees)
+        source = f"generated (seed {args.seed}, depth {args.depth})"
+    for i, t in enumerate(trajectories):
+        if t.tokens.max() >= model.config.vocab_size:
+            raise ValueError(f"trajectory {i} holds token id {t.tokens.max()} >= vocab_size {model.config.vocab_size}")
+    batch = pack(trajectories)
+    valid = torch.as_tensor(batch.logit_row >= 0, device=device)
+    targets = torch.as_tensor(batch.sem_tokens, device=device)
+
+    ref = flat_run(model, batch, device)
+    rerun = flat_run(model, batch, device)
+    model.set_activation_checkpointing(args.recompute)
+    tree, depth = tree_run(model, batch, device, chunk, True, args.attention)
+    no_replay, _ = tree_run(model, batch, device, chunk, False, args.attention)
+    plan = plan_calls(batch, chunk)
+    result = {
+        "model": args.hf or args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "chunk_size": chunk,
+        "recompute": args.recompute,
+        "trajectories": source,
+        "num_trajectories": batch.num_trajectories,
+        "semantic_tokens": batch.num_semantic,
+        "compact_tokens": batch.num_compact,
+        "num_rounds": plan.num_rounds,
+        "total_replay": plan.total_replay,
+        "max_handoff_depth": int(plan.handoff_depth.max()),
+        **compare(ref, tree, depth, valid, targets),
+        "flat_rerun": compare(ref, rerun, depth, valid, targets),
+        "no_replay": compare(ref, no_replay, depth, valid, targets),
+        "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
+    }
+    return result
+
+
+def print_table(r: dict) -> None:
+    print(f"{r['model']} on {r['device']} in {r['dtype']}, chunk {r['chunk_size']}, recompute {r['recompute']}")
+    print(f"{r['num_trajectories']} trajectories, S={r['semantic_tokens']}, C={r['compact_tokens']}, "
+          f"{r['num_rounds']} rounds, replay {r['total_replay']}, handoff depth <= {r['max_handoff_depth']}")
+    keys = ["logprob_max_abs_diff", "loss_abs_diff", "grad_max_rel_diff", "moe_aux_abs_diff", "mean_logit_cosine"]
+    print(f"{'metric':<24}{'arbor':>14}{'no_replay':>14}{'flat_rerun':>14}")
+    for k in keys:
+        print(f"{k:<24}{r[k]:>14.4e}{r['no_replay'][k]:>14.4e}{r['flat_rerun'][k]:>14.4e}")
+    print(f"{'depth':<8}{'symkl arbor':>14}{'symkl no_rep':>14}{'|dNLL| arbor':>14}{'|dNLL| no_rep':>14}")
+    for d in r["symkl_by_depth"]:
+        print(f"{d:<8}{r['symkl_by_depth'][d]:>14.3e}{r['no_replay']['symkl_by_depth'][d]:>14.3e}"
+              f"{r['mean_abs_dnll_by_depth'][d]:>14.3e}{r['no_replay']['mean_abs_dnll_by_depth'][d]:>14.3e}")
+    print(r["command"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="tiny-qwen3-next", help="model preset (random init)")
+    source.add_argument("--hf", help="local Hugging Face checkpoint directory")
+    parser.add_argument("--trajectories", help="TRAJ.jsonl (default: generated nested-fork trees)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float64", choices=list(DTYPES))
+    parser.add_argument("--chunk-size", type=int, default=None, help="linear-attention chunk size (preset default)")
+    parser.add_argument("--recompute", action="store_true", help="full-layer activation recomputation in tree mode")
+    parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--depth", type=int, default=5, help="nested forks per generated tree")
+    parser.add_argument("--tail", type=int, default=None, help="new tokens per generated branch (default: one chunk)")
+    parser.add_argument("--trees", type=int, default=1, help="generated trees")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    try:
+        result = run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

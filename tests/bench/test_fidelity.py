@@ -1,0 +1,42 @@
+"""bench.fidelity end to end on CPU in float64: generated and user-given trajectories, both model families."""
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.branching import nested_fork_trajectories
+from bench.fidelity import main
+from planner.jsonl import write_jsonl
+
+
+def run(capsys, *args):
+    assert main([*args, "--dtype", "float64", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_generated_trees(capsys, model):
+    r = run(capsys, "--model", model, "--depth", "5", "--tail", "16", "--chunk-size", "32")
+    assert r["max_handoff_depth"] >= 5 and r["num_rounds"] >= 2 and r["total_replay"] > 0
+    assert r["logprob_max_abs_diff"] <= 1e-10
+    assert r["grad_max_rel_diff"] <= 1e-10
+    assert r["loss_abs_diff"] <= 1e-10 and r["moe_aux_abs_diff"] <= 1e-10
+    assert r["mean_logit_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert set(r["symkl_by_depth"]) == {str(d) for d in range(r["max_handoff_depth"] + 1)}
+    assert r["no_replay"]["logprob_max_abs_diff"] <= 1e-10  # float64: the ablation only changes rounding
+
+
+def test_user_trajectories_and_recompute(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(nested_fork_trajectories(np.random.default_rng(1), 32, 1024, depth=3, tail=20, trees=2), path)
+    r = run(capsys, "--model", "tiny-kimi-linear", "--trajectories", str(path), "--chunk-size", "32", "--recompute")
+    assert r["recompute"] and r["trajectories"] == str(path)
+    assert r["logprob_max_abs_diff"] <= 1e-10 and r["grad_max_rel_diff"] <= 1e-10
+
+
+def test_token_outside_vocabulary(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"tokens": [1, 2, 5000]}\n')
+    assert main(["--model", "tiny-qwen3-next", "--trajectories", str(path)]) == 2
+    assert "vocab_size" in capsys.readouterr().err
