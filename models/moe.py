@@ -148,15 +148,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F_))
 
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype."""
+        """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype.
+
+        The k weighted expert outputs of a row are multiplied in x.dtype and summed in the upcast dtype, in a fixed
+        order: a permutation back to (row, slot) order replaces an atomic scatter-add, so CUDA results are
+        deterministic and bf16 rows are rounded once, not once per expert.
+        """
         T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        token = order // k
         counts_E = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0])
-        y_MD = expert_swiglu(x_TD[token], self.gate_up_proj, self.down_proj, counts_E)
-        y_MD = (y_MD.to(routing.weights.dtype) * routing.weights.reshape(-1)[order, None]).to(x_TD.dtype)
-        return torch.zeros_like(x_TD).index_add_(0, token, y_MD)
+        y_MD = expert_swiglu(x_TD[order // k], self.gate_up_proj, self.down_proj, counts_E)
+        slot_of_row = torch.empty_like(order)
+        slot_of_row[order] = torch.arange(order.numel(), device=order.device)
+        y_TkD = y_MD[slot_of_row].view(T, k, -1) * routing.weights.to(x_TD.dtype)[:, :, None]
+        return y_TkD.sum(1, dtype=upcast(x_TD.dtype)).to(x_TD.dtype)
 
 
 class MoE(nn.Module):
