@@ -64,8 +64,8 @@ class CompactBatch:
     Semantic positions ([S], original trajectory order, trajectory i at [traj_offsets[i], traj_offsets[i+1])):
         sem_to_compact: the map m, row of each semantic position.
         logit_row: row whose logits predict this position's token (m of the previous position), -1 for a first token.
-        sem_tokens, loss_mask, advantage, weight, traj_index; logprobs and ref_logprobs are None when no trajectory
-        has them, else NaN where a trajectory lacks them.
+        sem_tokens, loss_mask, advantage; logprobs and ref_logprobs are None when no trajectory
+        has them, else NaN where a trajectory lacks them. `weight` and `traj_index` [S] are computed on access.
     """
 
     tokens: np.ndarray
@@ -87,8 +87,6 @@ class CompactBatch:
     advantage: np.ndarray
     logprobs: np.ndarray | None
     ref_logprobs: np.ndarray | None
-    weight: np.ndarray
-    traj_index: np.ndarray
     trajectories: Sequence[Trajectory]
 
     @property
@@ -106,6 +104,21 @@ class CompactBatch:
     @property
     def num_trajectories(self) -> int:
         return int(self.traj_offsets.size - 1)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[N] trajectory lengths."""
+        return np.diff(self.traj_offsets)
+
+    @property
+    def traj_index(self) -> np.ndarray:
+        """[S] trajectory of each semantic position (computed on access)."""
+        return np.repeat(np.arange(self.num_trajectories, dtype=np.int64), self.lengths)
+
+    @property
+    def weight(self) -> np.ndarray:
+        """[S] loss weight of each semantic position's trajectory (computed on access)."""
+        return np.repeat(np.array([t.weight for t in self.trajectories], dtype=np.float64), self.lengths)
 
     @property
     def compression(self) -> float:
@@ -225,7 +238,5 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
         advantage=np.concatenate([t.advantage for t in trajectories]),
         logprobs=cat_optional("logprobs"),
         ref_logprobs=cat_optional("ref_logprobs"),
-        weight=np.repeat(np.array([t.weight for t in trajectories], dtype=np.float64), lengths),
-        traj_index=np.repeat(np.arange(n, dtype=np.int64), lengths),
         trajectories=trajectories,
     )
