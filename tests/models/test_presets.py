@@ -76,3 +76,25 @@ def test_unrepresentable_config_is_refused_by_config_to_hf():
     config.linear_attention = KDAConfig(num_heads=4, head_dim=64)
     with pytest.raises(NotImplementedError, match="linear_attention"):
         config_to_hf(config)
+
+
+def test_vllm_reads_kimi_linear_config_json():
+    # vLLM's own KimiLinearConfig (not transformers') decides KDA vs MLA layers, MoE and NoPE when serving; load its
+    # module file directly, since importing the vllm package takes many seconds.
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vllm is not installed")
+    path = os.path.join(os.path.dirname(spec.origin), "transformers_utils", "configs", "kimi_linear.py")
+    module_spec = importlib.util.spec_from_file_location("vllm_kimi_linear_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = models.preset("kimi-linear-48b-a3b")
+    vllm_config = module.KimiLinearConfig(**json.loads(json.dumps(config_to_hf(config))))
+    kda = [vllm_config.is_kda_layer(i) for i in range(config.num_layers)]
+    assert kda == [t == "linear_attention" for t in config.layer_types]
+    assert vllm_config.mla_use_nope and vllm_config.is_moe
+    assert (vllm_config.num_experts, vllm_config.num_experts_per_token, vllm_config.first_k_dense_replace) == (256, 8, 1)
+    assert vllm_config.moe_router_activation_func == "sigmoid" and vllm_config.routed_scaling_factor == 2.446
