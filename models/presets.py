@@ -7,7 +7,8 @@
   chunk 64, vocabulary 157,184, bf16. Not stated, filled from Kimi-Linear-48B-A3B's conventions: KDA with 16 heads of
   dim 128; MLA with 16 heads, kv latent 512, full-rank queries, nope/rope/value head dims 128/64/128 and no RoPE;
   sigmoid router with expert bias, renormalised top-k, routed scaling 2.446, no expert groups, one ungated shared
-  expert of width 512; RMSNorm eps 1e-5 with weight initialised to 1; untied embeddings.
+  expert of width 512; RMSNorm eps 1e-5 with weight initialised to 1; untied embeddings; max_position_embeddings
+  131,072 (a placeholder: only written to config.json).
 - `qwen3-next-80b-a3b`: Qwen/Qwen3-Next-80B-A3B-Instruct config.json.
 - `kimi-linear-48b-a3b`: moonshotai/Kimi-Linear-48B-A3B-Instruct config.json.
 """
@@ -119,7 +120,8 @@ def qwen3_next_80b_a3b() -> ModelConfig:
 
 
 def kimi_linear_48b_a3b() -> ModelConfig:
-    full_attn_layers = (4, 8, 12, 16, 20, 24, 27)  # 1-based, as in linear_attn_config
+    # 1-based, as in config.json's linear_attn_config.
+    full_attn_layers = (4, 8, 12, 16, 20, 24, 27)
     return ModelConfig(
         family="kimi_linear",
         vocab_size=163_840,

@@ -20,7 +20,8 @@ def transformers_cpu():
     try:
         import transformers
 
-        transformers.Qwen3NextForCausalLM, transformers.KimiLinearForCausalLM  # noqa: B018 (import the modules now)
+        # Touching the classes imports their modeling modules now, while fla is hidden.
+        transformers.Qwen3NextForCausalLM, transformers.KimiLinearForCausalLM  # noqa: B018
     finally:
         del sys.modules["fla"]
         sys.modules.update(saved)

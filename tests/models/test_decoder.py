@@ -10,7 +10,8 @@ import torch
 import models
 
 PRESETS = ("tiny-qwen3-next", "tiny-kimi-linear")
-LENGTHS = (70, 1, 65, 14)  # crosses a 64-token chunk, a 1-token sequence, a 64 + 1 sequence
+# A sequence across a 64-token chunk boundary, a 1-token sequence, one of 64 + 1 tokens, a short one.
+LENGTHS = (70, 1, 65, 14)
 
 
 def build(name: str, **overrides) -> models.HybridForCausalLM:

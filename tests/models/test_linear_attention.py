@@ -17,7 +17,8 @@ MIXERS = {
                                  hidden_size=64, eps=1e-6),
     "kda": lambda: KimiDeltaAttention(KDAConfig(num_heads=2, head_dim=32, chunk_size=32), hidden_size=64, eps=1e-5),
 }
-T, SPLIT = 100, 64  # SPLIT is a multiple of the chunk size 32
+# SPLIT is a multiple of the chunk size 32.
+T, SPLIT = 100, 64
 
 
 def rows_of(inputs: CoreInputs, sl: slice) -> CoreInputs:
