@@ -9,7 +9,7 @@ import sys
 from planner.jsonl import TrajectoryFileError
 
 #: Each command is a module in planner/commands/ with `add_arguments(parser)` and `run(args) -> int`.
-COMMANDS = ("stats", "calls")
+COMMANDS = ("stats", "calls", "batches")
 
 
 def main(argv: list[str] | None = None) -> int:

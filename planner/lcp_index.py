@@ -63,6 +63,7 @@ class LcpIndex:
         self.prefix = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self.lengths - self.lcp, out=self.prefix[1:])
         self.total_work = int(self.prefix[-1])
+        self._floors = None
         # table[j, i] = min(lcp[i : i + 2**j]) where i + 2**j <= N (the rest is never read).
         levels = max(1, n.bit_length())
         self._table = np.empty((levels, max(n, 1)), dtype=np.int64)
@@ -76,15 +77,41 @@ class LcpIndex:
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Trajectory] | Sequence[np.ndarray]) -> "LcpIndex":
         """Sort token sequences (Trajectory objects or 1-D int arrays) and compute adjacent LCPs. O(total tokens)."""
-        tokens = [t.tokens if isinstance(t, Trajectory) else np.asarray(t) for t in trajectories]
-        keys = [t.astype(np.uint32).tobytes() for t in tokens]
+        keys = [(t.tokens if isinstance(t, Trajectory) else np.asarray(t)).astype(np.uint32).tobytes()
+                for t in trajectories]
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        del keys
+        views = [np.frombuffer(k, dtype=np.uint32) for k in keys]  # no copy; half the bytes of int64 tokens
         lcp = np.zeros(len(order), dtype=np.int64)
         for j in range(1, len(order)):
-            lcp[j] = _first_mismatch(tokens[order[j - 1]], tokens[order[j]])
-        lengths = np.fromiter((t.size for t in tokens), dtype=np.int64, count=len(tokens))
+            lcp[j] = _first_mismatch(views[order[j - 1]], views[order[j]])
+        lengths = np.fromiter((v.size for v in views), dtype=np.int64, count=len(views))
         return cls(np.asarray(order, dtype=np.int64), lengths, lcp)
+
+    def floor_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where LCP with rank r stops changing, for every r ([N] int64 each, cached):
+        LCP(j, r) = floor_left[r] for every j < stop_left[r], and LCP(r, j) = floor_right[r] for every j >= stop_right[r]
+        (floor_left[0] = 0 with stop_left[0] = 0; floor_right[N-1] = 0 with stop_right[N-1] = N)."""
+        if self._floors is None:
+            n = self.size
+            idx = np.arange(n, dtype=np.int64)
+            floor_left = np.zeros(n, dtype=np.int64)
+            stop_left = np.zeros(n, dtype=np.int64)
+            if n > 1:
+                floor_left[1:] = np.minimum.accumulate(self.lcp[1:])
+                at_min = np.zeros(n, dtype=bool)
+                at_min[1:] = self.lcp[1:] == floor_left[1:]
+                stop_left = np.maximum.accumulate(np.where(at_min, idx, 0))
+            floor_right = np.zeros(n, dtype=np.int64)
+            stop_right = np.full(n, n, dtype=np.int64)
+            if n > 1:
+                suffix = np.minimum.accumulate(self.lcp[:0:-1])[::-1]  # suffix[i - 1] = min(lcp[i:])
+                floor_right[:-1] = suffix
+                at_min = np.zeros(n, dtype=bool)
+                at_min[1:] = self.lcp[1:] == suffix
+                first = np.minimum.accumulate(np.where(at_min, idx, n)[::-1])[::-1]  # first at_min index >= i
+                stop_right[:-1] = first[1:]
+            self._floors = (stop_left, floor_left, stop_right, floor_right)
+        return self._floors
 
     @property
     def size(self) -> int:

@@ -14,9 +14,14 @@ import numpy as np
 
 from planner.lcp_index import LcpIndex
 
-__all__ = ["natural_partition", "k_candidates", "sample_ks", "exact_dp", "evolve", "best_split", "window_starts"]
+__all__ = ["natural_partition", "k_candidates", "sample_ks", "exact_dp", "evolve", "best_split", "window_starts", "cut_cost"]
 
 _INF = np.iinfo(np.int64).max // 4
+
+
+def cut_cost(index: LcpIndex, starts: np.ndarray) -> int:
+    """Total work of a contiguous partition minus G: the sum of its cut LCPs (HARTS eq. 6)."""
+    return int(index.lcp[starts[1:]].sum())
 
 
 def window_starts(index: LcpIndex, capacity: int) -> np.ndarray:
@@ -83,72 +88,85 @@ def sample_ks(ks: list[int], q_max: int) -> list[int]:
     return sorted(set(dense) | set(spread) | {ks[-1]})
 
 
-def _argmin_table(values: np.ndarray) -> list[np.ndarray]:
-    """Sparse table of argmins: table[j][i] = argmin(values[i : i + 2**j]) (leftmost on ties)."""
-    table = [np.arange(values.size, dtype=np.int64)]
-    span = 1
-    while 2 * span <= values.size:
-        prev = table[-1]
-        left, right = prev[:-span], prev[span:]
-        table.append(np.where(values[right] < values[left], right, left))
-        span *= 2
-    return table
+class _ArgminTable:
+    """Range argmin over a fixed int64 array: table[j, i] = argmin(values[i : i + 2**j]) (leftmost on ties)."""
+
+    def __init__(self, values: np.ndarray):
+        n = values.size
+        self.values = values
+        self.table = np.empty((max(1, n.bit_length()), n), dtype=np.int64)
+        self.table[0] = np.arange(n)
+        for j in range(1, self.table.shape[0]):
+            span = 1 << (j - 1)
+            m = n - 2 * span + 1
+            left, right = self.table[j - 1, :m], self.table[j - 1, span : span + m]
+            self.table[j, :m] = np.where(values[right] < values[left], right, left)
+
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        j = (np.frexp((hi - lo + 1).astype(np.float64))[1] - 1).astype(np.int64)
+        a, b = self.table[j, lo], self.table[j, hi - (1 << j) + 1]
+        return np.where(self.values[b] < self.values[a], b, a)
 
 
-def _range_argmin(values: np.ndarray, table: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    j = (np.frexp((hi - lo + 1).astype(np.float64))[1] - 1).astype(np.int64)
-    out = np.empty(lo.size, dtype=np.int64)
-    for level in np.unique(j):
-        sel = j == level
-        t = table[int(level)]
-        a, b = t[lo[sel]], t[hi[sel] - (1 << int(level)) + 1]
-        out[sel] = np.where(values[b] < values[a], b, a)
-    return out
+def exact_dp(index: LcpIndex, capacity: int, dp: int) -> np.ndarray | None:
+    """The minimum-work contiguous partition into nonempty capacity-feasible intervals whose count K is a multiple
+    of `dp`, over every such K (not only HARTS's eq.-8 range). Returns its starts, or None if no K works.
 
-
-def exact_dp(index: LcpIndex, capacity: int, ks: list[int]) -> dict[int, np.ndarray]:
-    """Minimum-work contiguous partition into exactly k nonempty capacity-feasible intervals, for every k in ks.
-
-    F[k, e] = min over feasible starts s of F[k-1, s-1] + lcp[s] (HARTS eq. 9 with eq. 6: the work of a partition is G
-    plus its cut LCPs). Every layer k is one vectorised range-minimum pass over all end ranks e (a sparse table over
-    the candidates' keys), so the whole table costs O(max(ks) N log N) numpy work. Ties on the work prefer the smaller
-    heaviest microbatch of the prefix partition (HARTS breaks ties by the heaviest microbatch of the whole partition).
-    Returns {k: starts} for the feasible k.
+    HARTS eq. 9 indexes the table by K; we index it by K mod D. G[r, e] = the least cut cost (eq. 6: the work of a
+    partition is G plus its cut LCPs) of covering ranks 0..e with a number of intervals = r (mod D):
+        G[r, e] = min over feasible starts s of G[r-1, s-1] + lcp[s]   (and 0 for r = 1 if 0..e fits).
+    A start s only reads entries of smaller end ranks, so relaxing the D residues in turn until nothing changes
+    converges after about K*/D sweeps, each a vectorised range-minimum pass over all end ranks (a sparse table over
+    the candidates' keys). Ties on the work prefer the smaller heaviest microbatch of the prefix partition (HARTS
+    breaks ties by the heaviest microbatch of the whole partition).
     """
     n = index.size
-    k_top = min(max(ks), n)
     ends = np.arange(n, dtype=np.int64)
     lo = window_starts(index, capacity)
+    first = np.maximum(lo, 1)
+    has_cut = first <= ends  # some start s >= 1 is feasible for end e
+    whole = lo == 0  # 0..e is one feasible interval
     weight = capacity + 1
-    cost = np.where(lo == 0, 0, _INF)  # F[1, e]
-    heavy = np.where(lo == 0, index.interval_work(np.zeros(n, dtype=np.int64), ends), _INF)
-    choice = np.zeros((k_top + 1, n), dtype=np.int32)
-    found = {}
-    if 1 in ks and cost[-1] < _INF:
-        found[1] = np.zeros(1, dtype=np.int64)
-    for k in range(2, k_top + 1):
-        key = np.full(n, _INF, dtype=np.int64)
-        prev_ok = cost[:-1] < _INF
-        key[1:][prev_ok] = (cost[:-1][prev_ok] + index.lcp[1:][prev_ok]) * weight + heavy[:-1][prev_ok]
-        first = np.maximum(lo, k - 1)
-        valid = first <= ends
-        s = np.zeros(n, dtype=np.int64)
-        s[valid] = _range_argmin(key, _argmin_table(key), first[valid], ends[valid])
-        ok = valid & (key[s] < _INF)
-        new_cost = np.full(n, _INF, dtype=np.int64)
-        new_heavy = np.full(n, _INF, dtype=np.int64)
-        new_cost[ok] = cost[s[ok] - 1] + index.lcp[s[ok]]
-        new_heavy[ok] = np.maximum(heavy[s[ok] - 1], index.interval_work(s[ok], ends[ok]))
-        choice[k] = s
-        cost, heavy = new_cost, new_heavy
-        if k in ks and cost[-1] < _INF:
-            starts = [0] * k
-            e = n - 1
-            for level in range(k, 1, -1):
-                starts[level - 1] = int(choice[level, e])
-                e = starts[level - 1] - 1
-            found[k] = np.array(starts, dtype=np.int64)
-    return found
+    cost = np.full((dp, n), _INF, dtype=np.int64)
+    heavy = np.full((dp, n), _INF, dtype=np.int64)
+    choice = np.full((dp, n), -1, dtype=np.int64)  # start of the last interval; 0 = a single interval
+    base = 1 % dp
+    cost[base, whole] = 0
+    heavy[base, whole] = index.interval_work(np.zeros(int(whole.sum()), dtype=np.int64), ends[whole])
+    choice[base, whole] = 0
+    changed = True
+    while changed:
+        changed = False
+        for r in list(range(1, dp)) + [0]:
+            prev = (r - 1) % dp
+            key = np.full(n, _INF, dtype=np.int64)
+            ok = cost[prev, :-1] < _INF
+            key[1:][ok] = (cost[prev, :-1][ok] + index.lcp[1:][ok]) * weight + heavy[prev, :-1][ok]
+            e = ends[has_cut]
+            s = _ArgminTable(key).query(first[has_cut], e)
+            reach = key[s] < _INF
+            e, s = e[reach], s[reach]
+            new_cost = cost[prev, s - 1] + index.lcp[s]
+            new_heavy = np.maximum(heavy[prev, s - 1], index.interval_work(s, e))
+            cur = cost[r, e]
+            better = (new_cost < cur) | ((new_cost == cur) & (new_heavy < heavy[r, e]))
+            if better.any():
+                e = e[better]
+                cost[r, e] = new_cost[better]
+                heavy[r, e] = new_heavy[better]
+                choice[r, e] = s[better]
+                changed = True
+    if cost[0, n - 1] >= _INF:
+        return None
+    starts = []
+    r, e = 0, n - 1
+    while True:
+        s = int(choice[r, e])
+        starts.append(s)
+        if s == 0:
+            break
+        r, e = (r - 1) % dp, s - 1
+    return np.array(starts[::-1], dtype=np.int64)
 
 
 def evolve(index: LcpIndex, capacity: int, starts0: np.ndarray, ks: list[int]) -> dict[int, np.ndarray]:
