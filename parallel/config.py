@@ -1,0 +1,140 @@
+"""How one training job spreads a hybrid model over ranks: degrees, activation checkpointing, compile, precision.
+
+Legend: W world size (ranks), D data-parallel replicas (the planner's DP degree), H heads, HV value heads,
+E experts, V vocabulary.
+
+Rank layout (outermost first): pp x dp_replicate x dp_shard x tp, with W = pp * dp_replicate * dp_shard * tp.
+D = dp_replicate * dp_shard ranks hold different microbatches; the tp ranks of one replica hold the same rows.
+Expert parallelism splits dp_shard into efsdp x ep (ep innermost), so the ep ranks of a group hold different rows,
+exchange routed rows by all-to-all, and each keeps E / ep experts.
+
+The app exposes these fields as the TOML section `[parallel]` (one key per field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from models.config import GatedAttentionConfig, GDNConfig, KDAConfig, MLAConfig, ModelConfig
+
+__all__ = ["ParallelConfig", "pipeline_support"]
+
+
+def pipeline_support() -> str | None:
+    """None if the installed torch has the pipeline schedules we would need, else the reason it has not."""
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 14):
+        return (
+            f"torch {torch.__version__} has no `step(arg_mbs=..., kwarg_mbs=...)` in torch.distributed.pipelining "
+            "schedules (measured with torchtitan 0.3.0 on torch 2.13: 'Expecting 2 arg_mbs but got 1'); pipeline "
+            "parallelism needs torch >= 2.14"
+        )
+    return (
+        "pipeline stages over compact tree layouts are not implemented: the row count C of a microbatch varies, "
+        "while torch.distributed.pipelining fixes stage activation shapes from the first microbatch"
+    )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Degrees and wrapping policy of `parallel.parallelize_hybrid`."""
+
+    dp_replicate: int = 1
+    """Replicas of the fully sharded model (HSDP: gradients all-reduced across them). Across nodes in multi-node runs."""
+    dp_shard: int = -1
+    """Ranks one FSDP2 group shards parameters over; -1 = the rest of the world (W / (pp * dp_replicate * tp))."""
+    tp: int = 1
+    """Tensor-parallel degree: heads of every mixer, FFN width of dense and shared-expert MLPs, and the vocabulary
+    of embeddings and LM head are split tp ways. Must divide every head count and the vocabulary."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts split ep ways over ranks of different replicas; must divide dp_shard
+    and the number of experts. Not combined with tp > 1 (see `validate`)."""
+    pp: int = 1
+    """Pipeline-parallel degree; only 1 is supported (see `pipeline_support`)."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """"full": every decoder layer is recomputed in backward from the same tree layout (HARTS runs this way)."""
+    compile: bool = False
+    """torch.compile the row-wise modules that hold no collectives (RMSNorms, SwiGLU MLPs outside tensor
+    parallelism) with dynamic shapes. Whole layers are not compiled: their control flow follows each microbatch's
+    plan (rounds, branches), so a compiled layer would recompile per microbatch."""
+    compile_backend: str = "inductor"
+    """torch.compile backend ("inductor"; "aot_eager" for a quick check without code generation)."""
+    param_dtype: Literal["model", "float32", "bfloat16"] = "model"
+    """FSDP2 compute dtype of parameters (cast when gathered for each forward; master weights and optimizer states
+    keep the model dtype). "model" = no cast. GPU runs: fp32 model + "bfloat16"."""
+    reduce_dtype: Literal["model", "float32", "bfloat16"] = "model"
+    """FSDP2 dtype of gradient reduce-scatter / all-reduce; "model" = the model dtype."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered layer parameters after forward ("default" = yes, as without pipeline parallelism)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "ep", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`parallel.{name}` must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ValueError(f"`parallel.dp_shard` must be >= 1 or -1 (rest of the world), got {self.dp_shard}")
+
+    def resolved(self, world_size: int) -> "ParallelConfig":
+        """A copy with dp_shard filled in for `world_size` ranks; raises if the degrees do not multiply to it."""
+        fixed = self.pp * self.dp_replicate * self.tp
+        dp_shard = world_size // fixed if self.dp_shard == -1 else self.dp_shard
+        if dp_shard < 1 or fixed * dp_shard != world_size:
+            raise ValueError(
+                f"pp ({self.pp}) * dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * tp ({self.tp}) "
+                f"must equal the world size {world_size}: change the degrees or the number of launched ranks"
+            )
+        return ParallelConfig(**{**self.__dict__, "dp_shard": dp_shard})
+
+    @property
+    def dp(self) -> int:
+        """D: data-parallel replicas, i.e. ranks that hold different microbatches (after `resolved`)."""
+        return self.dp_replicate * self.dp_shard
+
+    def validate(self, model: ModelConfig) -> None:
+        """Check the (resolved) degrees against a model; raises ValueError / NotImplementedError naming the fix."""
+        if self.dp_shard < 1:
+            raise ValueError("call `ParallelConfig.resolved(world_size)` before `validate`: dp_shard is still -1")
+        if self.pp > 1:
+            raise NotImplementedError(f"`parallel.pp` = {self.pp}: {pipeline_support()}; set pp = 1")
+        if self.tp > 1 and self.ep > 1:
+            raise NotImplementedError(
+                f"`parallel.tp` = {self.tp} with `parallel.ep` = {self.ep}: the tp ranks of a replica hold the same "
+                "compact rows, and expert parallelism over them would need the rows split across tp first (sequence "
+                "parallelism), which is not implemented; use tp = 1 with ep > 1, or ep = 1"
+            )
+        if self.ep > 1:
+            if model.moe is None:
+                raise ValueError(f"`parallel.ep` = {self.ep} but the model has no MoE layers: set ep = 1")
+            if self.dp_shard % self.ep:
+                raise ValueError(f"`parallel.ep` ({self.ep}) must divide `parallel.dp_shard` ({self.dp_shard})")
+            if model.moe.num_experts % self.ep:
+                raise ValueError(
+                    f"`parallel.ep` ({self.ep}) must divide the number of experts ({model.moe.num_experts})"
+                )
+        if self.tp > 1:
+            for name, count in _tp_split_sizes(model).items():
+                if count % self.tp:
+                    raise ValueError(f"`parallel.tp` ({self.tp}) must divide {name} ({count})")
+
+
+def _tp_split_sizes(model: ModelConfig) -> dict[str, int]:
+    """Every size tensor parallelism splits, by the config field that holds it."""
+    sizes = {"vocab_size": model.vocab_size}
+    full, linear = model.full_attention, model.linear_attention
+    if isinstance(full, GatedAttentionConfig):
+        sizes["full_attention.num_heads"] = full.num_heads
+        sizes["full_attention.num_kv_heads"] = full.num_kv_heads
+    elif isinstance(full, MLAConfig):
+        sizes["full_attention.num_heads"] = full.num_heads
+    if isinstance(linear, GDNConfig):
+        sizes["linear_attention.num_k_heads"] = linear.num_k_heads
+    elif isinstance(linear, KDAConfig):
+        sizes["linear_attention.num_heads"] = linear.num_heads
+    if model.dense_ffn is not None:
+        sizes["dense_ffn.intermediate_size"] = model.dense_ffn.intermediate_size
+    if model.moe is not None and model.moe.shared_expert_intermediate_size:
+        sizes["moe.shared_expert_intermediate_size"] = model.moe.shared_expert_intermediate_size
+    return sizes

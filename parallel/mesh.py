@@ -1,0 +1,68 @@
+"""Device meshes of one job: a dense view (pp, dp_replicate, dp_shard, tp) and an expert view (pp, dp_replicate,
+efsdp, ep, tp) of the same ranks.
+
+tp is innermost so that tensor-parallel groups are neighbouring ranks (one node); ep is next, so an expert-parallel
+group is ep neighbouring replicas; dp_replicate is outermost of the data dimensions (across nodes for HSDP).
+FSDP2 + DTensor need a parameter's data-parallel and model-parallel meshes to come from one root: dense parameters
+use the dense view (tp, dp_shard), routed experts the expert view (ep, efsdp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel.config import ParallelConfig
+
+__all__ = ["ParallelMeshes", "build_meshes"]
+
+
+@dataclass
+class ParallelMeshes:
+    config: ParallelConfig
+    """The resolved degrees."""
+    dense: DeviceMesh
+    """("pp", "dp_replicate", "dp_shard", "tp")."""
+    expert: DeviceMesh
+    """("pp", "dp_replicate", "efsdp", "ep", "tp"), efsdp = dp_shard / ep."""
+    dp: DeviceMesh
+    """The D data-parallel replicas (dp_replicate x dp_shard flattened): planner DP rank = `dp.get_local_rank()`;
+    step counts and metrics are summed here."""
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.dense["tp"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.expert["ep"]
+
+    @property
+    def dense_fsdp(self) -> DeviceMesh:
+        """FSDP2 mesh of every non-expert parameter: ("dp_replicate", "dp_shard") for HSDP, else ("dp_shard",)."""
+        if self.config.dp_replicate > 1:
+            return self.dense["dp_replicate", "dp_shard"]
+        return self.dense["dp_shard"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """FSDP2 mesh of routed experts under expert parallelism: the replicas holding the same experts."""
+        if self.config.dp_replicate > 1:
+            return self.expert["dp_replicate", "efsdp"]
+        return self.expert["efsdp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.get_local_rank()
+
+
+def build_meshes(config: ParallelConfig, device_type: str) -> ParallelMeshes:
+    """Build both views for a resolved config (needs an initialised default process group)."""
+    c = config
+    dense = init_device_mesh(device_type, (c.pp, c.dp_replicate, c.dp_shard, c.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    expert = init_device_mesh(device_type, (c.pp, c.dp_replicate, c.dp_shard // c.ep, c.ep, c.tp),
+                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+    dp = dense["dp_replicate", "dp_shard"]._flatten("dp")
+    return ParallelMeshes(config, dense, expert, dp)

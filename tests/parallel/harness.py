@@ -1,0 +1,164 @@
+"""Multi-process CPU (gloo) runs of a parallelized step against the single-process step (shared by the tests).
+
+`run_ranks(n, fn, *args)` starts n processes with torchrun's environment variables and runs `fn(*args)` in each;
+an exception in any rank fails the test with that rank's traceback.
+
+`compare_step(...)`, run in every rank: build the same small model on every rank (same seed), compute the reference
+in-process on the plain model (the whole step packed as ONE batch, app.losses.token_normalizers over all positions),
+then parallelize a copy, run this replica's microbatches with `parallel.step.train_step`, and compare the summed loss
+and every parameter gradient (gathered with DTensor.full_tensor) with the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from app.losses import PolicyLossConfig, policy_loss, token_normalizers
+from bench.branching import nested_fork_trajectories
+from models.config import GDNConfig
+from models.decoder import HybridForCausalLM
+from models.presets import preset
+from models.tree.execute import tree_logprobs
+from models.tree.layout import TreeLayout
+from parallel.config import ParallelConfig
+from parallel.launch import init_distributed, parallelize_for_job
+from parallel.step import step_normalizer, token_weights, train_step
+from planner.calls import plan_calls
+from planner.pack import pack
+
+#: Tolerances per dtype: relative error of the step loss; per parameter, the gradient error norm may reach
+#: rtol * |reference| + floor * |all reference gradients|. The floor matters in fp32 only: splitting the step into
+#: microbatches alone (one process, no parallelism) moves gradients whose norm is ~1e-8 of the total (deep linear-
+#: attention decays: cancellation) by ~2% of themselves.
+TOLERANCES = {
+    "float64": {"loss": 1e-10, "grad_rtol": 1e-8, "grad_floor": 0.0},
+    "float32": {"loss": 1e-5, "grad_rtol": 1e-4, "grad_floor": 1e-6},
+}
+Z_LOSS_COEF = 1e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args) -> None:
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def small_config(name: str, num_experts: int = 4, dtype: str = "float64"):
+    """The preset's architecture at test size (as tests/models/tree/test_execute.py), small chunks."""
+    c = preset(name)
+    if isinstance(c.linear_attention, GDNConfig):
+        lin = dataclasses.replace(c.linear_attention, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                                  chunk_size=16)
+        full = dataclasses.replace(c.full_attention, num_heads=4, num_kv_heads=2, head_dim=16)
+    else:
+        lin = dataclasses.replace(c.linear_attention, num_heads=2, head_dim=8, chunk_size=32)
+        full = dataclasses.replace(c.full_attention, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=8, v_head_dim=8)
+    moe = dataclasses.replace(c.moe, num_experts=num_experts, top_k=2, expert_intermediate_size=16,
+                              shared_expert_intermediate_size=16)
+    return dataclasses.replace(
+        c, vocab_size=64, hidden_size=32, linear_attention=lin, full_attention=full, moe=moe,
+        dense_ffn=dataclasses.replace(c.dense_ffn, intermediate_size=48), dtype=dtype,
+    )
+
+
+def step_trajectories(model_config, trees: int, seed: int = 0):
+    chunk = model_config.linear_attention.chunk_size
+    return nested_fork_trajectories(np.random.default_rng(seed), chunk, model_config.vocab_size, depth=3, trees=trees)
+
+
+def z_loss(output, semantic_tokens: int):
+    """Router z-loss of the step: sum of the multiplicity-weighted z sums over the step's semantic tokens (linear in
+    the per-microbatch sums, so it adds over microbatches and replicas)."""
+    z = [s.z_sum for s in output.moe_stats if s is not None]
+    return Z_LOSS_COEF * torch.stack(z).sum() / semantic_tokens
+
+
+def reference_step(model, trajectories, loss_config):
+    """Loss and gradients of the whole step as one packed batch on a plain model."""
+    batch = pack(trajectories)
+    chunk = model.config.linear_attention.chunk_size
+    layout = TreeLayout.build(batch, plan_calls(batch, chunk), model.config.linear_attention.conv_size)
+    lp, out = tree_logprobs(model, layout)
+    w = token_normalizers(torch.as_tensor(batch.loss_mask), torch.as_tensor(batch.traj_index),
+                          batch.num_trajectories, loss_config) * torch.as_tensor(batch.weight)
+    terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
+    loss = terms.loss + z_loss(out, batch.num_semantic)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare_step(preset_name: str, parallel: dict, microbatches_per_replica: int, trees: int,
+                 activation_checkpointing: str = "none", num_experts: int = 4,
+                 aggregation: str = "token-mean", dtype: str = "float64") -> None:
+    """Run in every rank: parallel step == single-process step (loss and all gradients, `TOLERANCES[dtype]`)."""
+    job = init_distributed(ParallelConfig(activation_checkpointing=activation_checkpointing, **parallel), "cpu")
+    config = small_config(preset_name, num_experts, dtype)
+    tol = TOLERANCES[dtype]
+    torch.manual_seed(0)
+    reference = HybridForCausalLM(config)
+    model = copy.deepcopy(reference)
+    loss_config = PolicyLossConfig(aggregation=aggregation)
+    trajectories = step_trajectories(config, trees)
+    ref_loss, ref_grads = reference_step(reference, trajectories, loss_config)
+
+    parallelize_for_job(model, job)
+    D = job.config.dp
+    K = D * microbatches_per_replica
+    # Microbatch m runs on replica m % D in slot m // D (a fixed planner-like assignment).
+    everything = [trajectories[m::K] for m in range(K)]
+    mine = everything[job.dp_rank::D]
+    dp_group = job.meshes.dp.get_group()
+    normalizer = step_normalizer(mine, dp_group)
+    semantic_tokens = sum(len(t) for t in trajectories)
+
+    def loss_fn(lp, batch, output):
+        w = torch.as_tensor(token_weights(batch, normalizer, aggregation))
+        terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
+        return terms.loss + z_loss(output, semantic_tokens), {"policy": terms.policy}
+
+    metrics = train_step(model, mine, loss_fn, dp_group=dp_group)
+    total = torch.tensor([metrics.loss], dtype=torch.float64)
+    dist.all_reduce(total, group=dp_group)
+    loss_err = abs(total.item() - ref_loss) / abs(ref_loss)
+    assert loss_err <= tol["loss"], f"step loss {total.item()} vs single-process {ref_loss} (rel err {loss_err:.2e})"
+    total_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+    worst, worst_name = 0.0, None
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        ref = ref_grads[name]
+        # Error in units of the allowed error: <= 1 passes.
+        err = ((grad - ref).norm() / (tol["grad_rtol"] * ref.norm() + tol["grad_floor"] * total_norm + 1e-300)).item()
+        if err > worst:
+            worst, worst_name = err, name
+    if dist.get_rank() == 0:
+        print(f"{preset_name} {dtype} {parallel}: loss rel err {loss_err:.1e}; worst gradient {worst_name} at "
+              f"{worst:.1e} of its tolerance")
+    assert worst <= 1.0, f"gradient of {worst_name} differs by {worst:.2f} x the tolerance {tol}"

@@ -1,0 +1,28 @@
+"""FSDP2 over 2 CPU ranks (gloo): the planner-assigned microbatches of each replica give the single-process step's
+loss and gradients (fp32), with activation recomputation; unequal microbatch counts are refused before any
+collective could hang."""
+
+import pytest
+
+from parallel.config import ParallelConfig
+from parallel.launch import init_distributed
+from parallel.step import train_step
+from tests.parallel.harness import compare_step, run_ranks, small_config, step_trajectories
+
+
+def fsdp_then_unequal_counts():
+    compare_step("tiny-qwen3-next", {}, microbatches_per_replica=2, trees=2, activation_checkpointing="full",
+                 dtype="float32")
+    # Same process group again (init_distributed reuses it): rank 0 gets one microbatch more than rank 1.
+    job = init_distributed(ParallelConfig(), "cpu")
+    from models.decoder import HybridForCausalLM
+
+    model = HybridForCausalLM(small_config("tiny-qwen3-next"))
+    trajectories = step_trajectories(model.config, trees=1)
+    mine = [trajectories[:2], trajectories[2:4]][: 2 - job.dp_rank]
+    with pytest.raises(ValueError, match="every replica must run the same number"):
+        train_step(model, mine, lambda *a: None, dp_group=job.meshes.dp.get_group())
+
+
+def test_fsdp_step_matches_single_process():
+    run_ranks(2, fsdp_then_unequal_counts)
