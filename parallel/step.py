@@ -25,11 +25,13 @@ import torch.distributed as dist
 from models.decoder import DecoderOutput, HybridForCausalLM
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
+from planner.microbatch import MicrobatchPlan
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
 from parallel.tree_module import forward_tree
 
-__all__ = ["MicrobatchLoss", "StepNormalizer", "StepMetrics", "step_normalizer", "token_weights", "train_step"]
+__all__ = ["MicrobatchLoss", "StepNormalizer", "StepMetrics", "replica_microbatches", "step_normalizer",
+           "token_weights", "train_step"]
 
 
 class MicrobatchLoss(Protocol):
@@ -66,6 +68,17 @@ class StepMetrics:
     expert_counts: list[torch.Tensor | None] = field(default_factory=list)
     """Per layer: multiplicity-weighted expert assignment counts `[E]` (None for dense layers), the load that
     expert-bias updates use."""
+
+
+def replica_microbatches(plan: MicrobatchPlan, trajectories: Sequence[Trajectory],
+                         dp_rank: int) -> list[list[Trajectory]]:
+    """The microbatches `plan` (planner.microbatch.plan_microbatches over the step's `trajectories`, made with the
+    job's DP degree) assigns to replica `dp_rank`, in slot order. Every rank must hold the same plan: plan on every
+    rank from the same trajectories (the planner is deterministic) or broadcast it."""
+    if not 0 <= dp_rank < plan.dp:
+        raise ValueError(f"`dp_rank` {dp_rank} is outside the plan's {plan.dp} replicas: plan with the job's DP degree")
+    mine = sorted((mb for mb in plan.microbatches if mb.replica == dp_rank), key=lambda mb: mb.slot)
+    return [[trajectories[i] for i in mb.trajectories] for mb in mine]
 
 
 def step_normalizer(microbatches: Sequence[Sequence[Trajectory]], dp_group: dist.ProcessGroup | None = None,

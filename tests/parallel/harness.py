@@ -5,7 +5,8 @@ an exception in any rank fails the test with that rank's traceback.
 
 `compare_step(...)`, run in every rank: build the same small model on every rank (same seed), compute the reference
 in-process on the plain model (the whole step packed as ONE batch, app.losses.token_normalizers over all positions),
-then parallelize a copy, run this replica's microbatches with `parallel.step.train_step`, and compare the summed loss
+then parallelize a copy, plan the step's microbatches (planner.microbatch, capacity = compact rows per microbatch),
+run this replica's with `parallel.step.train_step`, and compare the summed loss
 and every parameter gradient (gathered with DTensor.full_tensor) with the reference.
 """
 
@@ -31,8 +32,9 @@ from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
-from parallel.step import step_normalizer, token_weights, train_step
+from parallel.step import replica_microbatches, step_normalizer, token_weights, train_step
 from planner.calls import plan_calls
+from planner.microbatch import plan_microbatches
 from planner.pack import pack
 
 #: Tolerances per dtype: relative error of the step loss; per parameter, the gradient error norm may reach
@@ -115,7 +117,7 @@ def reference_step(model, trajectories, loss_config):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def compare_step(preset_name: str, parallel: dict, microbatches_per_replica: int, trees: int,
+def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
                  activation_checkpointing: str = "none", num_experts: int = 4,
                  aggregation: str = "token-mean", dtype: str = "float64") -> None:
     """Run in every rank: parallel step == single-process step (loss and all gradients, `TOLERANCES[dtype]`)."""
@@ -130,11 +132,8 @@ def compare_step(preset_name: str, parallel: dict, microbatches_per_replica: int
     ref_loss, ref_grads = reference_step(reference, trajectories, loss_config)
 
     parallelize_for_job(model, job)
-    D = job.config.dp
-    K = D * microbatches_per_replica
-    # Microbatch m runs on replica m % D in slot m // D (a fixed planner-like assignment).
-    everything = [trajectories[m::K] for m in range(K)]
-    mine = everything[job.dp_rank::D]
+    plan = plan_microbatches(trajectories, capacity, job.config.dp)
+    mine = replica_microbatches(plan, trajectories, job.dp_rank)
     dp_group = job.meshes.dp.get_group()
     normalizer = step_normalizer(mine, dp_group)
     semantic_tokens = sum(len(t) for t in trajectories)

@@ -6,5 +6,5 @@ from tests.parallel.harness import compare_step, run_ranks
 
 
 def test_hsdp_ep_step_matches_single_process():
-    run_ranks(4, compare_step, "tiny-kimi-linear", {"dp_replicate": 2, "ep": 2}, 2, 2, "none", 4,
+    run_ranks(4, compare_step, "tiny-kimi-linear", {"dp_replicate": 2, "ep": 2}, 192, 2, "none", 4,
               "seq-mean-token-mean")

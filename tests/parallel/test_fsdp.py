@@ -11,7 +11,7 @@ from tests.parallel.harness import compare_step, run_ranks, small_config, step_t
 
 
 def fsdp_then_unequal_counts():
-    compare_step("tiny-qwen3-next", {}, microbatches_per_replica=2, trees=2, activation_checkpointing="full",
+    compare_step("tiny-qwen3-next", {}, capacity=128, trees=2, activation_checkpointing="full",
                  dtype="float32")
     # Same process group again (init_distributed reuses it): rank 0 gets one microbatch more than rank 1.
     job = init_distributed(ParallelConfig(), "cpu")

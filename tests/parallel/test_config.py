@@ -1,0 +1,53 @@
+"""ParallelConfig: degrees resolve against the world size and are checked against the model, with errors that
+name the field and the fix."""
+
+import dataclasses
+
+import pytest
+
+from models.presets import preset
+from parallel.config import ParallelConfig, pipeline_support
+
+
+def test_resolved_fills_dp_shard_and_dp():
+    c = ParallelConfig(dp_replicate=2, tp=2).resolved(16)
+    assert (c.dp_replicate, c.dp_shard, c.tp, c.dp) == (2, 4, 2, 8)
+    with pytest.raises(ValueError, match="must equal the world size 6"):
+        ParallelConfig(dp_shard=4).resolved(6)
+    with pytest.raises(ValueError, match="must equal the world size 3"):
+        ParallelConfig(tp=2).resolved(3)
+    with pytest.raises(ValueError, match="`parallel.tp` must be >= 1"):
+        ParallelConfig(tp=0)
+
+
+@pytest.mark.parametrize(
+    "degrees, model, error, match",
+    [
+        ({"tp": 4}, "tiny-qwen3-next", ValueError, r"`parallel.tp` \(4\) must divide full_attention.num_kv_heads \(2\)"),
+        ({"tp": 3}, "tiny-kimi-linear", ValueError, r"must divide vocab_size \(1024\)"),
+        ({"ep": 4, "dp_replicate": 8}, "tiny-qwen3-next", ValueError, r"`parallel.ep` \(4\) must divide `parallel.dp_shard` \(6\)"),
+        ({"ep": 16}, "tiny-qwen3-next", ValueError, r"must divide the number of experts \(8\)"),
+        ({"tp": 2, "ep": 2}, "tiny-qwen3-next", NotImplementedError, "sequence parallelism"),
+        ({"pp": 2}, "tiny-qwen3-next", NotImplementedError, "pipeline"),
+    ],
+    ids=["tp-kv-heads", "tp-vocab", "ep-dp-shard", "ep-experts", "tp-and-ep", "pp"],
+)
+def test_validate_rejects(degrees, model, error, match):
+    config = ParallelConfig(**degrees).resolved(48 if "pp" not in degrees else 2)
+    with pytest.raises(error, match=match):
+        config.validate(preset(model))
+
+
+def test_validate_accepts_the_node_layouts():
+    ParallelConfig(ep=8).resolved(8).validate(preset("qwen3-next-80b-a3b"))
+    ParallelConfig(tp=2).resolved(8).validate(preset("kimi-linear-48b-a3b"))
+    dense = dataclasses.replace(preset("tiny-qwen3-next"), moe=None, ffn_types=("dense",) * 4)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        ParallelConfig(ep=2).resolved(2).validate(dense)
+
+
+def test_pipeline_support_names_the_torch_version():
+    import torch
+
+    reason = pipeline_support()
+    assert torch.__version__ in reason or "not implemented" in reason
