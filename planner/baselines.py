@@ -53,19 +53,42 @@ def _split_cost(index: LcpIndex, ranks: np.ndarray) -> tuple[int, int]:
     return int(shared[i]), i + 1
 
 
+def _split_cheapest(index: LcpIndex, mbs: list[np.ndarray]) -> bool:
+    """Split the microbatch with the cheapest cut in two; False if all are single trajectories."""
+    splittable = [j for j, m in enumerate(mbs) if m.size >= 2]
+    if not splittable:
+        return False
+    best = min(splittable, key=lambda j: _split_cost(index, mbs[j])[0])
+    cut = _split_cost(index, mbs[best])[1]
+    ranks = mbs.pop(best)
+    mbs += [ranks[:cut], ranks[cut:]]
+    return True
+
+
 def _equalize(index: LcpIndex, replicas: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Split microbatches (cheapest cut first) until every replica has as many as the largest one."""
+    """Split microbatches (cheapest cut first) until every replica has as many as the largest one. A replica with too
+    few trajectories for that makes us pool all microbatches, split to a multiple of D, and deal them heaviest first
+    to the replica with the least work among those still short of K / D."""
     target = max(len(mbs) for mbs in replicas)
-    for d, mbs in enumerate(replicas):
-        while len(mbs) < target:
-            splittable = [j for j, m in enumerate(mbs) if m.size >= 2]
-            if not splittable:
-                raise ValueError(f"replica {d} has fewer trajectories than the {target} microbatches of another one")
-            best = min(splittable, key=lambda j: _split_cost(index, mbs[j])[0])
-            cut = _split_cost(index, mbs[best])[1]
-            ranks = mbs.pop(best)
-            mbs += [ranks[:cut], ranks[cut:]]
-    return replicas
+    if all(sum(m.size for m in mbs) >= target for mbs in replicas):
+        for mbs in replicas:
+            while len(mbs) < target:
+                _split_cheapest(index, mbs)
+        return replicas
+    dp = len(replicas)
+    pool = [m for mbs in replicas for m in mbs]
+    while len(pool) % dp and _split_cheapest(index, pool):
+        pass
+    if len(pool) % dp:
+        raise ValueError(f"too few trajectories to give {dp} replicas the same number of microbatches")
+    per = len(pool) // dp
+    dealt: list[list[np.ndarray]] = [[] for _ in range(dp)]
+    load = [0] * dp
+    for m in sorted(pool, key=lambda m: -index.set_work(m)):
+        d = min((d for d in range(dp) if len(dealt[d]) < per), key=lambda d: load[d])
+        dealt[d].append(m)
+        load[d] += index.set_work(m)
+    return dealt
 
 
 def _plan_from_replicas(index: LcpIndex, replicas: list[list[np.ndarray]], dp: int, capacity: int, start: float,
@@ -163,26 +186,8 @@ def ortools_plan(trajectories: Sequence[Trajectory], capacity: int, dp: int, *,
         bins, optimal = _bin_pack([index.set_work(f) for f in frags], capacity, time_limit) if frags else ([], True)
         proven += optimal
         replicas.append([np.sort(np.concatenate([frags[i] for i in b])) for b in bins])
-    if any(not mbs for mbs in replicas):
-        replicas = _rebalance_empty(index, replicas)
     method = f"ortools (CP-SAT proved {proven} of {dp} replicas optimal, limit {time_limit:g} s each)"
     return _plan_from_replicas(index, _equalize(index, replicas), dp, capacity, start, method)
-
-
-def _rebalance_empty(index: LcpIndex, replicas: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Give each replica without work one microbatch split off the most loaded replica's cheapest cut."""
-    for d, mbs in enumerate(replicas):
-        if mbs:
-            continue
-        donor = max(range(len(replicas)), key=lambda e: sum(m.size for m in replicas[e]))
-        j = max(range(len(replicas[donor])), key=lambda j: replicas[donor][j].size)
-        ranks = replicas[donor].pop(j)
-        if ranks.size < 2:
-            raise ValueError("too few trajectories to give every replica a microbatch")
-        cut = _split_cost(index, ranks)[1]
-        replicas[donor].append(ranks[:cut])
-        mbs.append(ranks[cut:])
-    return replicas
 
 
 def _greedy_ranges(index: LcpIndex, limit: int) -> list[int]:
@@ -261,8 +266,6 @@ def areal_plan(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> Mi
                 tries.append([r])
                 work.append(int(index.lengths[r]))
         replicas.append([np.asarray(t, dtype=np.int64) for t in tries])
-    if any(not mbs for mbs in replicas):
-        replicas = _rebalance_empty(index, replicas)
     return _plan_from_replicas(index, _equalize(index, replicas), dp, capacity, start, "areal-1.0.4")
 
 

@@ -36,13 +36,6 @@ class Grouping:
         owner[starts[1:]] = 1
         return cls(index, np.cumsum(owner))
 
-    @classmethod
-    def from_groups(cls, index: LcpIndex, groups: list[np.ndarray]) -> "Grouping":
-        owner = np.empty(index.size, dtype=np.int64)
-        for g, ranks in enumerate(groups):
-            owner[ranks] = g
-        return cls(index, owner)
-
     @property
     def k(self) -> int:
         return int(self.work.size)

@@ -14,14 +14,9 @@ import numpy as np
 
 from planner.lcp_index import LcpIndex
 
-__all__ = ["natural_partition", "k_candidates", "sample_ks", "exact_dp", "evolve", "best_split", "window_starts", "cut_cost"]
+__all__ = ["natural_partition", "k_candidates", "sample_ks", "exact_dp", "evolve", "best_split", "window_starts"]
 
 _INF = np.iinfo(np.int64).max // 4
-
-
-def cut_cost(index: LcpIndex, starts: np.ndarray) -> int:
-    """Total work of a contiguous partition minus G: the sum of its cut LCPs (HARTS eq. 6)."""
-    return int(index.lcp[starts[1:]].sum())
 
 
 def window_starts(index: LcpIndex, capacity: int) -> np.ndarray:
@@ -116,15 +111,14 @@ def exact_dp(index: LcpIndex, capacity: int, dp: int) -> np.ndarray | None:
     partition is G plus its cut LCPs) of covering ranks 0..e with a number of intervals = r (mod D):
         G[r, e] = min over feasible starts s of G[r-1, s-1] + lcp[s]   (and 0 for r = 1 if 0..e fits).
     A start s only reads entries of smaller end ranks, so relaxing the D residues in turn until nothing changes
-    converges after about K*/D sweeps, each a vectorised range-minimum pass over all end ranks (a sparse table over
-    the candidates' keys). Ties on the work prefer the smaller heaviest microbatch of the prefix partition (HARTS
+    converges after about K*/D sweeps; each pass is a vectorised range-minimum query (a sparse table over the
+    candidates' keys) restricted to the starts whose predecessor entry improved in the previous pass. Ties on the work prefer the smaller heaviest microbatch of the prefix partition (HARTS
     breaks ties by the heaviest microbatch of the whole partition).
     """
     n = index.size
     ends = np.arange(n, dtype=np.int64)
     lo = window_starts(index, capacity)
     first = np.maximum(lo, 1)
-    has_cut = first <= ends  # some start s >= 1 is feasible for end e
     whole = lo == 0  # 0..e is one feasible interval
     weight = capacity + 1
     cost = np.full((dp, n), _INF, dtype=np.int64)
@@ -134,17 +128,33 @@ def exact_dp(index: LcpIndex, capacity: int, dp: int) -> np.ndarray | None:
     cost[base, whole] = 0
     heavy[base, whole] = index.interval_work(np.zeros(int(whole.sum()), dtype=np.int64), ends[whole])
     choice[base, whole] = 0
-    changed = True
-    while changed:
-        changed = False
+    # dirty[r] = (lo, hi): the ends whose entry of residue r improved since residue r + 1 last read it. Keys only
+    # improve, so a pass only needs the starts s with s - 1 in the previous residue's dirty range.
+    dirty: list[tuple[int, int] | None] = [None] * dp
+    if whole.any():
+        dirty[base] = (0, int(np.flatnonzero(whole)[-1]))
+    while any(d is not None for d in dirty):
         for r in list(range(1, dp)) + [0]:
             prev = (r - 1) % dp
-            key = np.full(n, _INF, dtype=np.int64)
-            ok = cost[prev, :-1] < _INF
-            key[1:][ok] = (cost[prev, :-1][ok] + index.lcp[1:][ok]) * weight + heavy[prev, :-1][ok]
-            e = ends[has_cut]
-            s = _ArgminTable(key).query(first[has_cut], e)
-            reach = key[s] < _INF
+            if dirty[prev] is None:
+                continue
+            s_lo, s_hi = dirty[prev][0] + 1, min(dirty[prev][1] + 1, n - 1)
+            dirty[prev] = None
+            if s_lo > s_hi:
+                continue
+            e_hi = int(np.searchsorted(first, s_hi, side="right")) - 1
+            e = np.arange(s_lo, e_hi + 1, dtype=np.int64)
+            if e.size == 0:
+                continue
+            start = np.maximum(first[e], s_lo)
+            stop = np.minimum(e, s_hi)
+            e, start, stop = e[start <= stop], start[start <= stop], stop[start <= stop]
+            prev_cost = cost[prev, s_lo - 1 : s_hi]
+            ok = prev_cost < _INF
+            key = np.full(s_hi - s_lo + 1, _INF, dtype=np.int64)
+            key[ok] = (prev_cost[ok] + index.lcp[s_lo : s_hi + 1][ok]) * weight + heavy[prev, s_lo - 1 : s_hi][ok]
+            s = _ArgminTable(key).query(start - s_lo, stop - s_lo) + s_lo
+            reach = key[s - s_lo] < _INF
             e, s = e[reach], s[reach]
             new_cost = cost[prev, s - 1] + index.lcp[s]
             new_heavy = np.maximum(heavy[prev, s - 1], index.interval_work(s, e))
@@ -155,7 +165,8 @@ def exact_dp(index: LcpIndex, capacity: int, dp: int) -> np.ndarray | None:
                 cost[r, e] = new_cost[better]
                 heavy[r, e] = new_heavy[better]
                 choice[r, e] = s[better]
-                changed = True
+                old = dirty[r]
+                dirty[r] = (int(e[0]), int(e[-1])) if old is None else (min(old[0], int(e[0])), max(old[1], int(e[-1])))
     if cost[0, n - 1] >= _INF:
         return None
     starts = []
