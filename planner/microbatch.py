@@ -18,7 +18,8 @@ Search, in order (all trajectory sets are handled as lexicographic ranks, planne
  2. the trie-aware greedy candidate (planner/microbatch_greedy.py), when N <= `greedy_max_n`.
  3. the `anchors` candidates of least work are refined without contiguity (planner/microbatch_refine.py): light
     microbatches are dissolved into others while that adds no work; every K on the way that is a multiple of D is
-    kept, and the last (least work) gets sparse repair (moves and swaps within `window` ranks, `repair_iterations`).
+    kept (a final unaligned K is aligned by the cheaper of cuts and further dissolving), and the last (least work)
+    gets sparse repair (moves and swaps within `window` ranks, `repair_iterations` at most).
  4. the candidates of least total work are balanced by moving whole prefix-disjoint subtrees between microbatches,
     which never adds work (planner/microbatch_balance.py).
  5. every candidate gets HARTS's greedy replica and slot assignment (`assign_slots`); the least by eq. 4 is returned.

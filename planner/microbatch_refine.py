@@ -291,60 +291,83 @@ def _place_all(g: Grouping, ranks: np.ndarray, capacity: int, banned: int) -> in
     return added
 
 
-def eliminate_small(g: Grouping, capacity: int, dp: int, tries: int = 32, max_increase: int = 0) -> list[Grouping]:
-    """Dissolve light microbatches: move every member of the lightest ones into other microbatches (`_place_all`) when
-    that adds at most `max_increase` work in total; a microbatch heavier than the others' free room is never tried.
-    Stops after `tries` failed attempts in a row. Returns the groupings met whose K is a multiple of `dp` (the
-    input's included if it is one), least K last; if the last K met is not a multiple of `dp`, also the grouping
-    `align_k` makes of it when that has less work than the last aligned one."""
-    g = g.copy()
+def _dissolve_one(g: Grouping, capacity: int, max_increase: int, tries: int) -> Grouping | None:
+    """Dissolve the lightest microbatch whose members all fit elsewhere (`_place_all`) adding at most `max_increase`
+    work; at most `tries` microbatches are tried, and none heavier than the others' free room. Returns a new grouping
+    with K - 1 microbatches, or None."""
+    free = capacity * g.k - g.total
+    for victim in np.argsort(g.work, kind="stable")[:tries].tolist():
+        if g.work[victim] > free - (capacity - g.work[victim]):
+            return None
+        trial = g.copy()
+        members = np.flatnonzero(trial.owner == victim)
+        trial.owner[members] = -1
+        added = _place_all(trial, members, capacity, victim)
+        if added is not None and added - g.work[victim] <= max_increase:
+            trial.work[victim] = 0
+            trial.drop(victim)
+            return trial
+    return None
+
+
+def eliminate_small(g: Grouping, capacity: int, dp: int, tries: int = 32) -> list[Grouping]:
+    """Dissolve light microbatches into the others while that adds no work (`_dissolve_one`). Returns the groupings
+    met whose K is a multiple of `dp` (the input's first if it is one, least K last). If the last K met is not a
+    multiple of `dp`, it is also aligned the cheaper way, by cuts (`align_k`) or by dissolving more microbatches at a
+    smaller work increase, and that grouping is appended when it has less work than the last aligned one."""
     aligned = [g.copy()] if g.k % dp == 0 else []
-    failures = 0
-    while failures < tries and g.k > dp:
-        progress = False
-        free = capacity * g.k - g.total
-        for victim in np.argsort(g.work, kind="stable").tolist():
-            if failures >= tries or g.work[victim] > free - (capacity - g.work[victim]):
-                break
-            trial = g.copy()
-            members = np.flatnonzero(trial.owner == victim)
-            trial.owner[members] = -1
-            added = _place_all(trial, members, capacity, victim)
-            if added is not None and added - g.work[victim] <= max_increase:
-                trial.work[victim] = 0
-                trial.drop(victim)
-                g = trial
-                progress = True
-                failures = 0
-                if g.k % dp == 0:
-                    aligned.append(g.copy())
-                break
-            failures += 1
-        if not progress:
+    while g.k > dp:
+        smaller = _dissolve_one(g, capacity, 0, tries)
+        if smaller is None:
             break
+        g = smaller
+        if g.k % dp == 0:
+            aligned.append(g.copy())
     if g.k % dp:
-        up = align_k(g, dp)
-        if up is not None and (not aligned or up.total < aligned[-1].total):
-            aligned.append(up)
+        best = align_k(g, dp)
+        down = g
+        budget = np.iinfo(np.int64).max if best is None else best.total - g.total - 1
+        while down is not None and down.k % dp and budget >= 0 and down.k > dp:
+            before = down.total
+            down = _dissolve_one(down, capacity, budget, tries)
+            if down is not None:
+                budget -= down.total - before
+        if down is not None and down.k % dp == 0 and budget >= 0:
+            best = down
+        if best is not None and (not aligned or best.total < aligned[-1].total):
+            aligned.append(best)
     return aligned
 
 
 def align_k(g: Grouping, dp: int) -> Grouping | None:
-    """Make K a multiple of `dp` with singleton splits (HARTS): repeatedly split off the trajectory (of a microbatch with
-    >= 2 members) that shares the least with its own microbatch, i.e. the smallest work increase. Returns a new
-    grouping, or None when every microbatch is already a singleton."""
+    """Make K a multiple of `dp` by splits: repeatedly cut the microbatch whose member list (in lexicographic order)
+    has the cheapest cut (the LCP of the two members it separates, HARTS eq. 6), ties to the cut whose lighter half is
+    heaviest. HARTS splits off single trajectories; a cut next to a trajectory never costs more than splitting it
+    off, and the tie-break halves a heavy microbatch instead of leaving a tiny one behind. Returns a new grouping, or None when every microbatch is a
+    single trajectory."""
     g = g.copy()
     index = g.index
-    ranks = np.arange(index.size, dtype=np.int64)
+    n = index.size
     while g.k % dp:
-        prev_same, next_same = g.neighbours()
-        increase = np.maximum(_pair_lcp(index, prev_same, ranks), _pair_lcp(index, ranks, next_same))
-        movable = (prev_same >= 0) | (next_same >= 0)
-        if not movable.any():
+        order = np.lexsort((np.arange(n), g.owner))
+        owner = g.owner[order]
+        same = owner[1:] == owner[:-1]
+        if not same.any():
             return None
-        r = int(np.flatnonzero(movable)[np.argmin(increase[movable])])
-        src = g.owner[r]
-        g.owner[r] = g.k
-        g.work[src] = index.set_work(np.flatnonzero(g.owner == src))
-        g.work = np.append(g.work, index.lengths[r])
+        shared = np.zeros(n - 1, dtype=np.int64)
+        shared[same] = index.pair_lcp(order[:-1][same], order[1:][same])
+        added = index.lengths[order].copy()
+        added[1:] -= shared  # work each member adds to the members before it (its full length if it comes first)
+        total = np.cumsum(added)
+        group_start = np.maximum.accumulate(np.where(np.append(True, ~same), np.arange(n), 0))
+        before = np.where(group_start > 0, total[group_start - 1], 0)
+        left = (total - before)[:-1]  # work of the members up to i, cutting between i and i + 1
+        right = g.work[owner[:-1]] - left + shared
+        cand = np.flatnonzero(same)
+        i = int(cand[np.lexsort((-np.minimum(left, right)[cand], shared[cand]))[0]])
+        src = int(owner[i])
+        moved = order[i + 1 :][owner[i + 1 :] == src]
+        g.owner[moved] = g.k
+        g.work[src] = left[i]
+        g.work = np.append(g.work, right[i])
     return g
