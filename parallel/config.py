@@ -43,7 +43,8 @@ class ParallelConfig:
     """Degrees and wrapping policy of `parallel.parallelize_hybrid`."""
 
     dp_replicate: int = 1
-    """Replicas of the fully sharded model (HSDP: gradients all-reduced across them). Across nodes in multi-node runs."""
+    """Replicas of the fully sharded model (HSDP: gradients all-reduced across them); across nodes in multi-node
+    runs."""
     dp_shard: int = -1
     """Ranks one FSDP2 group shards parameters over; -1 = the rest of the world (W / (pp * dp_replicate * tp))."""
     tp: int = 1

@@ -72,8 +72,10 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
         if ctx.with_entropy and dentropy_P is not None:
             ge_U = torch.zeros(U, dtype=cdt, device=lse_U.device).index_add_(0, pred_row_P, dentropy_P.to(cdt))
         dhidden_CD = torch.zeros_like(hidden_CD) if ctx.needs_input_grad[0] else None
-        dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device) if ctx.needs_input_grad[1] else None
-        # Only predictions whose target this rank holds add a one-hot term; sorted by row for one searchsorted per chunk.
+        dweight_VD = None
+        if ctx.needs_input_grad[1]:
+            dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device)
+        # Only predictions whose target this rank holds add a one-hot term; sorted by row (one searchsorted a chunk).
         held = mine.nonzero()[:, 0]
         order = held[torch.argsort(pred_row_P[held], stable=True)]
         sorted_rows = pred_row_P[order]

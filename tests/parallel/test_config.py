@@ -23,9 +23,9 @@ def test_resolved_fills_dp_shard_and_dp():
 @pytest.mark.parametrize(
     "degrees, model, error, match",
     [
-        ({"tp": 4}, "tiny-qwen3-next", ValueError, r"`parallel.tp` \(4\) must divide full_attention.num_kv_heads \(2\)"),
+        ({"tp": 4}, "tiny-qwen3-next", ValueError, r"`parallel.tp` \(4\) must divide full_attention.num_kv_heads"),
         ({"tp": 3}, "tiny-kimi-linear", ValueError, r"must divide vocab_size \(1024\)"),
-        ({"ep": 4, "dp_replicate": 8}, "tiny-qwen3-next", ValueError, r"`parallel.ep` \(4\) must divide `parallel.dp_shard` \(6\)"),
+        ({"ep": 4, "dp_replicate": 8}, "tiny-qwen3-next", ValueError, r"\(4\) must divide `parallel.dp_shard` \(6\)"),
         ({"ep": 16}, "tiny-qwen3-next", ValueError, r"must divide the number of experts \(8\)"),
         ({"tp": 2, "ep": 2}, "tiny-qwen3-next", NotImplementedError, "sequence parallelism"),
         ({"pp": 2}, "tiny-qwen3-next", NotImplementedError, "pipeline"),

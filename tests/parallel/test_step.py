@@ -9,6 +9,7 @@ import torch
 
 from app.losses import PolicyLossConfig, policy_loss, token_normalizers
 from models.decoder import HybridForCausalLM
+from parallel.metrics import build_metrics_logger, reduce_step
 from parallel.step import replica_microbatches, step_normalizer, token_weights, train_step
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
@@ -44,7 +45,7 @@ def test_replica_microbatches_in_slot_order():
         replica_microbatches(plan, trajectories, 2)
 
 
-def test_single_process_step_matches_whole_batch():
+def test_single_process_step_matches_whole_batch(tmp_path):
     config = small_config("tiny-kimi-linear")
     torch.manual_seed(0)
     reference = HybridForCausalLM(config)
@@ -73,3 +74,9 @@ def test_single_process_step_matches_whole_batch():
     assert len(counts) == 3 and all(float(c.sum()) == 2 * S for c in counts)  # top-2 of every semantic position
     with pytest.raises(ValueError, match="`microbatches` is empty"):
         train_step(model, [], loss_fn)
+    scalars = reduce_step(metrics, None)
+    assert scalars["compression"] == S / metrics.compact_rows and scalars["clip_fraction"] >= 0
+    logger = build_metrics_logger(str(tmp_path / "tb"), rank=0)
+    logger.log(scalars, step=1)
+    logger.close()
+    assert any((tmp_path / "tb").iterdir())

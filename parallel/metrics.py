@@ -1,0 +1,39 @@
+"""Step metrics across data-parallel replicas, logged with torchtitan's metric loggers.
+
+`reduce_step` sums every replica's `StepMetrics` over the DP group (tp ranks of a replica hold the same numbers and
+are not counted twice) into the scalars of the whole step. `build_metrics_logger` returns torchtitan's
+`TensorBoardLogger` on rank 0 and its no-op `BaseLogger` elsewhere. torchtitan's `MetricsProcessor` is not used: it
+builds a CUDA `DeviceMemoryMonitor` at construction (fails on CPU ranks) and reports MFU from a dense-LM
+flops-per-token that compact tree rows do not follow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.step import StepMetrics
+
+__all__ = ["reduce_step", "build_metrics_logger"]
+
+
+def reduce_step(metrics: StepMetrics, dp_group: dist.ProcessGroup | None, device=None) -> dict[str, float]:
+    """Whole-step scalars: loss (sum of microbatch losses = the step loss), microbatches, semantic tokens, compact
+    rows, compression (semantic / compact), linear-attention calls, and every loss metric (summed)."""
+    names = ["loss", "microbatches", "semantic_tokens", "compact_rows", "linear_attention_calls", *metrics.extras]
+    values = [metrics.loss, metrics.microbatches, metrics.semantic_tokens, metrics.compact_rows,
+              metrics.linear_attention_calls, *metrics.extras.values()]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dp_group is not None:
+        dist.all_reduce(t, group=dp_group)
+    out = dict(zip(names, t.tolist()))
+    out["compression"] = out["semantic_tokens"] / max(out["compact_rows"], 1.0)
+    return out
+
+
+def build_metrics_logger(log_dir: str, rank: int):
+    """torchtitan `TensorBoardLogger(log_dir)` on rank 0, `BaseLogger` (no-op) elsewhere; call `.log(dict, step)`
+    on every rank and `.close()` at the end."""
+    from torchtitan.components.metrics import BaseLogger, TensorBoardLogger
+
+    return TensorBoardLogger(log_dir) if rank == 0 else BaseLogger()
