@@ -5,10 +5,11 @@
     python -m bench.workloads {swe,tau2} --seed 0 --out TRAJ.jsonl [--scale 0.01] [--token-scale 0.01]
 
 `scale` multiplies the number of trajectories of a step and `token_scale` every token length (segment lengths and
-`max_path_tokens`), so `swe_like_step(0, scale=0.01, token_scale=0.01)` is a 13-24-path step of a few thousand tokens
-with the same tree shapes. Tokens are uniform random ids in [0, vocab_size) (default: Ling-3-tiny's 157,184). The first
-tokens of siblings always differ, so two paths share exactly the prefix the generator gave them, and the compact size
-of a step (unique trie tokens) is the sum of its branch lengths. Same seed and arguments -> identical trajectories.
+`max_path_tokens`); whole trees are generated until the path count is reached, so `swe_like_step(0, scale=0.01,
+token_scale=0.01)` is one tree (20-120 paths, 3-30K tokens) shaped like the trees of a full step. Tokens are uniform
+random ids in [0, vocab_size) (default: Ling-3-tiny's 157,184). The first tokens of siblings always differ, so two
+paths share exactly the prefix the generator gave them, and the compact size of a step (unique trie tokens) is the
+sum of its branch lengths. Same seed and arguments -> identical trajectories.
 
 SWE-like steps (HARTS §5 Table 2 and Appendix A, Figures 6-8: Claude-Code-scaffold SWE-bench trees). One step holds
 1,300-2,400 paths (uniform, times `scale`) and about 40-60M raw tokens (~26K per path). Every tree hangs from a tiny
@@ -121,7 +122,8 @@ class Tau2Shape:
 
 class _Forest:
     """Branches of one step. Branch b attaches after the first `offset[b]` tokens of branch `parent[b]` (-1: none)
-    and owns `length[b]` tokens of its own; a path is the prefix up to the attachment point plus the branch's own tokens."""
+    and owns `length[b]` tokens of its own; a path is the prefix up to the attachment point plus the branch's own
+    tokens."""
 
     def __init__(self, rng: np.random.Generator, token_scale: float, max_path_tokens: int):
         self.rng = rng

@@ -172,7 +172,7 @@ def ortools_plan(trajectories: Sequence[Trajectory], capacity: int, dp: int, *,
     index = LcpIndex.from_trajectories(trajectories)
     trees = [np.sort(index.rank[t]) for t in _trees(trajectories)]
     tree_work = [index.set_work(t) for t in trees]
-    # Shard-level first-fit decreasing: fill replicas up to an equal share, the least loaded one takes what fits nowhere.
+    # Shard-level first-fit decreasing: fill replicas up to an equal share; what fits nowhere goes to the least loaded.
     share = -(-sum(tree_work) // dp)
     loads = [0] * dp
     members: list[list[int]] = [[] for _ in range(dp)]

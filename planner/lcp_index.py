@@ -88,8 +88,8 @@ class LcpIndex:
         return cls(np.asarray(order, dtype=np.int64), lengths, lcp)
 
     def floor_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Where LCP with rank r stops changing, for every r ([N] int64 each, cached):
-        LCP(j, r) = floor_left[r] for every j < stop_left[r], and LCP(r, j) = floor_right[r] for every j >= stop_right[r]
+        """Where LCP with rank r stops changing, for every r ([N] int64 each, cached): LCP(j, r) = floor_left[r]
+        for every j < stop_left[r], and LCP(r, j) = floor_right[r] for every j >= stop_right[r]
         (floor_left[0] = 0 with stop_left[0] = 0; floor_right[N-1] = 0 with stop_right[N-1] = N)."""
         if self._floors is None:
             n = self.size
@@ -146,6 +146,12 @@ class LcpIndex:
         b = np.asarray(b, dtype=np.int64)
         work = self.prefix[b + 1] - self.prefix[a] + self.lcp[a]
         return int(work) if work.ndim == 0 else work
+
+    def sorted_work(self, ranks: np.ndarray) -> int:
+        """Compact work of strictly increasing ranks [M] (set_work without sorting)."""
+        if ranks.size == 1:
+            return int(self.lengths[ranks[0]])
+        return int(self.lengths[ranks].sum() - self.range_min(ranks[:-1] + 1, ranks[1:]).sum())
 
     def set_work(self, ranks) -> int:
         """Compact work of any set of ranks (HARTS eq. 5); duplicates are counted once."""

@@ -120,7 +120,8 @@ def _pair_lcp(index: LcpIndex, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def refine_boundaries(index: LcpIndex, capacity: int, starts: np.ndarray, window: int = 8, sweeps: int = 2) -> np.ndarray:
+def refine_boundaries(index: LcpIndex, capacity: int, starts: np.ndarray, window: int = 8,
+                      sweeps: int = 2) -> np.ndarray:
     """HARTS boundary refinement of a contiguous partition: move each cut within `window` positions to first reduce the
     two neighbours' total work (the LCP at the cut), then their larger work; at most `sweeps` sweeps, stopping early
     after a sweep without change. Returns new starts (K unchanged, every interval nonempty and within capacity)."""
@@ -245,27 +246,32 @@ def sparse_repair(g: Grouping, capacity: int, window: int = 8, iterations: int =
 
 def _place_piece(g: Grouping, piece: np.ndarray, capacity: int, banned: int, lo_rank: np.ndarray,
                  hi_rank: np.ndarray) -> int | None:
-    """Insert the unassigned ranks `piece` together into the feasible microbatch that shares the longest prefix with
-    its ends (ties: the fullest after insertion). Returns the added work, None if no microbatch takes all of it."""
+    """Insert the unassigned sorted ranks `piece` together into the feasible microbatch that shares the longest prefix
+    with its ends (ties: the fullest after insertion). Returns the added work, None if no microbatch takes all of it.
+    The longest prefix a microbatch shares with the piece is the longer of its ends' (LCP is a range minimum), unless
+    it has members inside the piece's rank range; only then is the union recounted."""
     index = g.index
-    shared = np.maximum(shared_prefix(index, g.owner, lo_rank, hi_rank, int(piece[0])),
-                        shared_prefix(index, g.owner, lo_rank, hi_rank, int(piece[-1])))
-    after = g.work + index.set_work(piece) - shared
+    first, last = int(piece[0]), int(piece[-1])
+    shared = shared_prefix(index, g.owner, lo_rank, hi_rank, first)
+    if last != first:
+        np.maximum(shared, shared_prefix(index, g.owner, lo_rank, hi_rank, last), out=shared)
+    after = g.work + index.sorted_work(piece) - shared
     fits = after <= capacity
     fits[banned] = False
     if not fits.any():
         return None
     cand = np.flatnonzero(fits)
     dest = int(cand[np.lexsort((-after[cand], -shared[cand]))[0]])
-    # The ends' shared prefixes bound the piece's; recount exactly (members of dest may sit inside its range).
-    work = index.set_work(np.concatenate([np.flatnonzero(g.owner == dest), piece]))
-    if work > capacity:
-        return None
+    work = int(after[dest])
+    if lo_rank[dest] < last and hi_rank[dest] > first:
+        work = index.set_work(np.concatenate([np.flatnonzero(g.owner == dest), piece]))
+        if work > capacity:
+            return None
     added = work - int(g.work[dest])
     g.owner[piece] = dest
     g.work[dest] = work
-    lo_rank[dest] = min(lo_rank[dest], int(piece[0]))
-    hi_rank[dest] = max(hi_rank[dest], int(piece[-1]))
+    lo_rank[dest] = min(lo_rank[dest], first)
+    hi_rank[dest] = max(hi_rank[dest], last)
     return added
 
 
@@ -343,8 +349,8 @@ def align_k(g: Grouping, dp: int) -> Grouping | None:
     """Make K a multiple of `dp` by splits: repeatedly cut the microbatch whose member list (in lexicographic order)
     has the cheapest cut (the LCP of the two members it separates, HARTS eq. 6), ties to the cut whose lighter half is
     heaviest. HARTS splits off single trajectories; a cut next to a trajectory never costs more than splitting it
-    off, and the tie-break halves a heavy microbatch instead of leaving a tiny one behind. Returns a new grouping, or None when every microbatch is a
-    single trajectory."""
+    off, and the tie-break halves a heavy microbatch instead of leaving a tiny one behind. Returns a new grouping, or
+    None when every microbatch is a single trajectory."""
     g = g.copy()
     index = g.index
     n = index.size

@@ -112,8 +112,9 @@ def exact_dp(index: LcpIndex, capacity: int, dp: int) -> np.ndarray | None:
         G[r, e] = min over feasible starts s of G[r-1, s-1] + lcp[s]   (and 0 for r = 1 if 0..e fits).
     A start s only reads entries of smaller end ranks, so relaxing the D residues in turn until nothing changes
     converges after about K*/D sweeps; each pass is a vectorised range-minimum query (a sparse table over the
-    candidates' keys) restricted to the starts whose predecessor entry improved in the previous pass. Ties on the work prefer the smaller heaviest microbatch of the prefix partition (HARTS
-    breaks ties by the heaviest microbatch of the whole partition).
+    candidates' keys) restricted to the starts whose predecessor entry improved in the previous pass. Ties on the
+    work prefer the smaller heaviest microbatch of the prefix partition (HARTS breaks ties by the heaviest microbatch
+    of the whole partition; boundary refinement then rebalances).
     """
     n = index.size
     ends = np.arange(n, dtype=np.int64)

@@ -96,7 +96,8 @@ def test_natural_partition_and_evolution(trajectories, dp, slack):
     capacity = int(index.lengths.max()) + int(slack * index.total_work)
     lo = window_starts(index, capacity)
     for e in range(n):
-        assert index.interval_work(lo[e], e) <= capacity and (lo[e] == 0 or index.interval_work(lo[e] - 1, e) > capacity)
+        assert index.interval_work(lo[e], e) <= capacity
+        assert lo[e] == 0 or index.interval_work(lo[e] - 1, e) > capacity
     p0 = natural_partition(index, capacity)
     assert all(index.interval_work(a, b) <= capacity for a, b in ranges(p0, n))
     ks = k_candidates(index, capacity, dp, p0.size)
