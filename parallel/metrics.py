@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from parallel.step import StepMetrics
 
-__all__ = ["reduce_step", "build_metrics_logger"]
+__all__ = ["reduce_step", "global_expert_counts", "build_metrics_logger"]
 
 
 def reduce_step(metrics: StepMetrics, dp_group: dist.ProcessGroup | None, device=None) -> dict[str, float]:
@@ -29,6 +29,18 @@ def reduce_step(metrics: StepMetrics, dp_group: dist.ProcessGroup | None, device
     out = dict(zip(names, t.tolist()))
     out["compression"] = out["semantic_tokens"] / max(out["compact_rows"], 1.0)
     return out
+
+
+def global_expert_counts(metrics: StepMetrics, dp_group: dist.ProcessGroup | None) -> list[torch.Tensor | None]:
+    """Per MoE layer, the step's multiplicity-weighted expert loads `[E]` summed over replicas (one all-reduce):
+    what `models.moe.Router.update_expert_bias` takes after the optimizer step. None for dense layers."""
+    counts = [c for c in metrics.expert_counts if c is not None]
+    if dp_group is not None and counts:
+        stacked = torch.stack(counts)
+        dist.all_reduce(stacked, group=dp_group)
+        counts = list(stacked.unbind(0))
+    it = iter(counts)
+    return [None if c is None else next(it) for c in metrics.expert_counts]
 
 
 def build_metrics_logger(log_dir: str, rank: int):

@@ -33,7 +33,7 @@ from models.tree.layout import TreeLayout
 from parallel.config import ParallelConfig
 from parallel.grad_norm import clip_grad_norm_
 from parallel.launch import init_distributed, parallelize_for_job
-from parallel.metrics import reduce_step
+from parallel.metrics import global_expert_counts, reduce_step
 from parallel.step import replica_microbatches, step_normalizer, token_weights, train_step
 from planner.calls import plan_calls
 from planner.microbatch import plan_microbatches
@@ -116,7 +116,8 @@ def reference_step(model, trajectories, loss_config):
     terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
     loss = terms.loss + z_loss(out, batch.num_semantic)
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, [None if s is None else s.expert_counts for s in out.moe_stats]
 
 
 def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
@@ -131,7 +132,7 @@ def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
     model = copy.deepcopy(reference)
     loss_config = PolicyLossConfig(aggregation=aggregation)
     trajectories = step_trajectories(config, trees)
-    ref_loss, ref_grads = reference_step(reference, trajectories, loss_config)
+    ref_loss, ref_grads, ref_counts = reference_step(reference, trajectories, loss_config)
 
     parallelize_for_job(model, job)
     plan = plan_microbatches(trajectories, capacity, job.config.dp)
@@ -145,8 +146,11 @@ def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
         terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
         return terms.loss + z_loss(output, semantic_tokens), {"policy": terms.policy}
 
-    step = reduce_step(train_step(model, mine, loss_fn, dp_group=dp_group), dp_group)
+    metrics = train_step(model, mine, loss_fn, dp_group=dp_group)
+    step = reduce_step(metrics, dp_group)
     assert step["microbatches"] == len(plan.microbatches) and step["semantic_tokens"] == semantic_tokens
+    for got, want in zip(global_expert_counts(metrics, dp_group), ref_counts):
+        assert (got is None and want is None) or torch.equal(got, want), "expert loads differ from one process"
     loss_err = abs(step["loss"] - ref_loss) / abs(ref_loss)
     assert loss_err <= tol["loss"], f"step loss {step['loss']} vs single-process {ref_loss} (rel err {loss_err:.2e})"
     total_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()

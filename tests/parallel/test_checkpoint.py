@@ -2,8 +2,6 @@
 save (model, AdamW state, lr schedule, train state), then resume under a different layout (FSDP2 + TP over the same
 2 ranks, a fresh model from another seed); DCP reshards, and parameters and optimizer state come back exactly."""
 
-import copy
-
 import torch
 import torch.distributed as dist
 

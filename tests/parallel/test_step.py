@@ -53,7 +53,7 @@ def test_single_process_step_matches_whole_batch(tmp_path):
     model.set_activation_checkpointing(True)
     loss_config = PolicyLossConfig()
     trajectories = step_trajectories(config, trees=2)
-    ref_loss, ref_grads = reference_step(reference, trajectories, loss_config)
+    ref_loss, ref_grads, _ = reference_step(reference, trajectories, loss_config)
     microbatches = replica_microbatches(plan_microbatches(trajectories, 192, dp=1), trajectories, 0)
     normalizer = step_normalizer(microbatches)
     S = sum(len(t) for t in trajectories)
