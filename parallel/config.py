@@ -33,8 +33,8 @@ def pipeline_support() -> str | None:
             "parallelism needs torch >= 2.14"
         )
     return (
-        "pipeline stages over compact tree layouts are not implemented: the row count C of a microbatch varies, "
-        "while torch.distributed.pipelining fixes stage activation shapes from the first microbatch"
+        "pipeline stages over compact tree layouts are not implemented: the row count C varies per microbatch, and "
+        "torch.distributed.pipelining stages are set up with activation shapes of one microbatch"
     )
 
 
