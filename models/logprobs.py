@@ -101,7 +101,9 @@ class CompactLogprobsFunction(torch.autograd.Function):
         # Predictions sorted by row so each chunk finds its targets with one searchsorted.
         order = torch.argsort(pred_row_P, stable=True)
         sorted_rows = pred_row_P[order]
-        for a in range(0, U, ctx.chunk_rows):
+        starts = torch.arange(0, U + ctx.chunk_rows, ctx.chunk_rows, device=sorted_rows.device).clamp(max=U)
+        bounds = torch.searchsorted(sorted_rows, starts).tolist()  # one host sync for all chunks
+        for i, a in enumerate(range(0, U, ctx.chunk_rows)):
             b = min(a + ctx.chunk_rows, U)
             h = hidden_CD[rows_U[a:b]]
             logits = (h @ weight_VD.T).to(cdt)
@@ -110,8 +112,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
             dlogits = p * (-g_U[a:b, None])
             if ge_U is not None:
                 dlogits -= ge_U[a:b, None] * p * (logp + ent_U[a:b, None])
-            lo, hi = torch.searchsorted(sorted_rows, torch.tensor([a, b], device=sorted_rows.device)).tolist()
-            sel = order[lo:hi]
+            sel = order[bounds[i] : bounds[i + 1]]
             dlogits.index_put_((pred_row_P[sel] - a, target_P[sel]), dlogprob_P[sel], accumulate=True)
             dlogits = dlogits.to(hidden_CD.dtype)
             if dhidden_CD is not None:

@@ -15,6 +15,7 @@ Projections, norms and RoPE run once per compact row before this; gathers scatte
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,12 +120,22 @@ def _branch_reference(q, k_view, v_view, layout: TreeAttentionLayout, scale: flo
 def _branch_flash(q, k_view, v_view, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    params = inspect.signature(varlen_attn).parameters
+    group = q.shape[1] // k_view.shape[1]
+    if group > 1 and "enable_gqa" not in params:
+        k_view, v_view = k_view.repeat_interleave(group, dim=1), v_view.repeat_interleave(group, dim=1)
     V = v_view.shape[-1]
     if V < q.shape[-1]:
         v_view = F.pad(v_view, (0, q.shape[-1] - V))
+    # Flash kernels align a causal mask bottom-right when queries are fewer than keys (query i of a branch with h
+    # ancestors sees view rows j <= h + i), which is what the branch view needs.
+    kwargs = {"scale": scale}
+    kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    if group > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
     out = varlen_attn(
         q, k_view, v_view, layout.cu_q.to(torch.int32), layout.cu_kv.to(torch.int32), layout.max_q, layout.max_kv,
-        scale=scale, window_size=(-1, 0), enable_gqa=k_view.shape[1] != q.shape[1],
+        **kwargs,
     )
     return out[..., :V]
 

@@ -46,7 +46,7 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     produced: list[torch.Tensor] = []
     outputs = []
     for rd in layout.rounds:
-        if (rd.init_state < 0).all():
+        if rd.all_zero_init:
             h0 = None
         else:
             h0 = torch.cat([zero, *produced])[rd.init_state + 1]

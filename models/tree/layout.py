@@ -99,6 +99,8 @@ class RoundTensors:
     """[own rows of the round] positions in `gather` whose outputs are kept (the non-replay rows), in physical order."""
     init_state: torch.Tensor
     """[N_r] global number of each sequence's initial state, -1 = zeros."""
+    all_zero_init: bool
+    """True when every sequence starts from zeros (known on the host: no device sync per round)."""
     state_seq: torch.Tensor | None
     state_chunk: torch.Tensor | None
     """[R_r] requested boundary states (None when the round requests none)."""
@@ -145,6 +147,7 @@ class TreeLayout:
                     cu_seqlens=as_t(rd.cu_seqlens),
                     output_pos=as_t(np.flatnonzero(rd.is_output)),
                     init_state=as_t(rd.init_state),
+                    all_zero_init=bool((rd.init_state < 0).all()),
                     state_seq=as_t(rd.state_seq) if has_states else None,
                     state_chunk=as_t(rd.state_chunk) if has_states else None,
                 )

@@ -1,0 +1,309 @@
+"""Tree vs trajectory-wise training speed on one device (HARTS §5.3, Table 4).
+
+    python -m bench.speed --model ling-3-tiny --dtype bfloat16 --device cuda --scale 0.05 --capacity 65536
+
+One process, one model (random init), full-layer activation recomputation, the same kernels in both modes:
+- baseline: trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit in input
+  order, no sharing), flat packed varlen forward, log-probs, loss, backward;
+- Arbor: the prefix-aware microbatch plan (capacity = compact tokens), then per microbatch pack -> minimum-call
+  plan -> TreeLayout -> tree forward -> mapped log-probs -> the same loss -> backward.
+F/B/Grad time = everything after planning except the optimizer (incl. Arbor's layout materialisation); Core adds
+Arbor's planning (microbatch planner, packing, call planner). Both modes accumulate gradients over all their
+microbatches. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression ~1.2). The `auto`
+mode runs each Arbor microbatch as a tree or expands it into flat microbatches, whichever a linear cost model fitted
+to this run's own measurements predicts is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench.workloads import swe_like_step
+from models.decoder import HybridForCausalLM
+from models.logprobs import compact_logprobs
+from models.moe import load_balancing_loss
+from models.presets import preset
+from models.tree.execute import tree_hidden_states
+from models.tree.layout import TreeLayout
+from planner.calls import plan_calls
+from planner.microbatch import plan_microbatches
+from planner.pack import pack
+from planner.trajectory import Trajectory
+
+#: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
+PEAK_FLOPS = {"cuda": 989e12}
+
+
+def low_sharing_step(seed: int, paths: int, length: int, vocab: int) -> list[Trajectory]:
+    """Pairs of trajectories that share a short prompt (1/6 of their length): compression about 1.2."""
+    rng = np.random.default_rng([seed, 0x10])
+    out = []
+    for i in range(0, paths, 2):
+        prompt = rng.integers(0, vocab, size=length // 6)
+        for _ in range(2):
+            tail = rng.integers(0, vocab, size=length - prompt.size)
+            out.append(Trajectory(np.concatenate([prompt, tail]), tree=f"low{i}"))
+    return out
+
+
+def active_params(model: HybridForCausalLM) -> int:
+    """Parameters one token touches: everything but the embedding table, routed experts at top_k / E."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and not model.config.tie_word_embeddings:
+            continue
+        if ".experts." in name:
+            total += p.numel() * model.config.moe.top_k // model.config.moe.num_experts
+        else:
+            total += p.numel()
+    return total
+
+
+def first_fit_flat(trajectories, capacity: int) -> list[list[int]]:
+    batches, sizes = [], []
+    for i, t in enumerate(trajectories):
+        for b, size in enumerate(sizes):
+            if size + len(t) <= capacity:
+                batches[b].append(i)
+                sizes[b] += len(t)
+                break
+        else:
+            batches.append([i])
+            sizes.append(len(t))
+    return batches
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def loss_of(logprobs, mask, adv, stats, normalizer):
+    policy = -(adv * mask * logprobs).sum() / normalizer
+    moe = [s for s in stats if s is not None]
+    aux = sum(load_balancing_loss(s) for s in moe) if moe else 0.0
+    return policy + 1e-3 * aux
+
+
+def flat_step(model, trajectories, device, normalizer) -> None:
+    ids = torch.as_tensor(np.concatenate([t.tokens for t in trajectories]), device=device)
+    lengths = [len(t) for t in trajectories]
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device=device)
+    pos = torch.as_tensor(np.concatenate([np.arange(n) for n in lengths]), device=device)
+    out = model.hidden_states(ids, pos, cu)
+    rows = torch.arange(ids.numel(), device=device) - 1
+    rows[cu[:-1]] = -1
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, rows, ids)
+    mask = (rows >= 0).to(lp.dtype)
+    adv = torch.as_tensor(np.concatenate([t.advantage for t in trajectories]), device=device, dtype=lp.dtype)
+    loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
+
+
+def tree_step(model, batch, plan, device, normalizer, backend) -> dict:
+    layout = TreeLayout.build(batch, plan, model.config.linear_attention.conv_size, device)
+    out = tree_hidden_states(model, layout, backend)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
+    mask = (layout.logit_row >= 0).to(lp.dtype)
+    adv = torch.as_tensor(batch.advantage, device=device, dtype=lp.dtype)
+    loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
+    return {"view_rows": int(layout.attention.kv_index.numel())}
+
+
+def timed(fn, device):
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
+def run_workload(name, trajectories, model, args, device) -> dict:
+    rng = np.random.default_rng(args.seed)
+    for t in trajectories:
+        t.advantage = rng.normal(size=len(t))
+    S = sum(len(t) for t in trajectories)
+    normalizer = float(S)
+    chunk = model.config.linear_attention.chunk_size
+
+    # Arbor planning (charged to Core only).
+    start = time.perf_counter()
+    mplan = plan_microbatches(trajectories, args.capacity, 1)
+    groups = [list(mb.trajectories) for mb in mplan.microbatches]
+    batches = [pack([trajectories[i] for i in g]) for g in groups]
+    plans = [plan_calls(b, chunk) for b in batches]
+    plan_seconds = time.perf_counter() - start
+    C = sum(b.num_compact for b in batches)
+    flat_groups = first_fit_flat(trajectories, args.capacity)
+
+    def run_flat(group):
+        flat_step(model, [trajectories[i] for i in group], device, normalizer)
+
+    results = {}
+    per_mb = {}
+    for mode in ("flat", "tree"):
+        # Every microbatch shape is run once untimed first: Triton autotunes per shape, and a first pass would
+        # charge that to whichever mode has more distinct microbatches (measured: 21 s first vs 4.5 s later).
+        for timed_pass in range(args.warmup + 1):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            times, extra = [], []
+            if mode == "flat":
+                for g in flat_groups:
+                    dt, _ = timed(lambda: run_flat(g), device)
+                    times.append(dt)
+            else:
+                for b, p in zip(batches, plans):
+                    dt, info = timed(lambda: tree_step(model, b, p, device, normalizer, args.attention), device)
+                    times.append(dt)
+                    extra.append(info)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        per_mb[mode] = (times, extra)
+        results[mode] = {"seconds": sum(times), "microbatches": len(times), "peak_gib": peak}
+
+    flops_token = 6 * active_params(model)
+    peak_flops = PEAK_FLOPS.get(device.type)
+    fbg = results["flat"]["seconds"] / results["tree"]["seconds"]
+    core = results["flat"]["seconds"] / (results["tree"]["seconds"] + plan_seconds)
+
+    state = {"groups": groups, "batches": batches, "plans": plans, "trajectories": trajectories,
+             "normalizer": normalizer,
+             "flat_samples": [(sum(len(trajectories[i]) for i in g), t) for g, t in zip(flat_groups, per_mb["flat"][0])],
+             "tree_samples": [(b.num_compact, e["view_rows"], t)
+                              for b, e, t in zip(batches, per_mb["tree"][1], per_mb["tree"][0])]}
+    return {
+        "workload": name,
+        "trajectories": len(trajectories),
+        "semantic_tokens": S,
+        "compact_tokens": C,
+        "compression": S / C,
+        "replay_tokens": int(sum(p.total_replay for p in plans)),
+        "rounds_max": int(max(p.num_rounds for p in plans)),
+        "attention_view_rows": int(sum(e["view_rows"] for e in per_mb["tree"][1])),
+        "planning_seconds": plan_seconds,
+        "flat": results["flat"],
+        "tree": results["tree"],
+        "fbg_speedup": fbg,
+        "fbg_over_compression": fbg / (S / C),
+        "core_speedup": core,
+        "flat_tokens_per_s": S / results["flat"]["seconds"],
+        "tree_semantic_tokens_per_s": S / results["tree"]["seconds"],
+        "flat_mfu": flops_token * S / results["flat"]["seconds"] / peak_flops if peak_flops else None,
+        "tree_mfu_compact": flops_token * C / results["tree"]["seconds"] / peak_flops if peak_flops else None,
+    }, state
+
+
+def fit_cost_model(states: list[dict]) -> dict:
+    """Seconds per flat token, and per tree compact row and attention-view row, fitted on every measured microbatch
+    of every workload (least squares through the origin; a negative tree coefficient is dropped and refitted)."""
+    flat = np.array([x for st in states for x in st["flat_samples"]], dtype=float)
+    tree = np.array([x for st in states for x in st["tree_samples"]], dtype=float)
+    per_token = float(flat[:, 1] @ flat[:, 0] / (flat[:, 0] @ flat[:, 0]))
+    coef, *_ = np.linalg.lstsq(tree[:, :2], tree[:, 2], rcond=None)
+    if coef.min() < 0:
+        keep = int(np.argmax(coef))
+        coef = np.zeros(2)
+        coef[keep] = tree[:, 2] @ tree[:, keep] / (tree[:, keep] @ tree[:, keep])
+    return {"flat_per_token": per_token, "tree_per_compact": float(coef[0]), "tree_per_view_row": float(coef[1])}
+
+
+def run_auto(state: dict, cost: dict, model, args, device) -> dict:
+    """Run each planned microbatch as a tree, or expanded into flat microbatches, whichever `cost` predicts faster."""
+    trajectories, normalizer = state["trajectories"], state["normalizer"]
+    choices = []
+    for b, (C, views, _) in zip(state["batches"], state["tree_samples"]):
+        tree_cost = cost["tree_per_compact"] * C + cost["tree_per_view_row"] * views
+        choices.append(bool(tree_cost <= cost["flat_per_token"] * b.num_semantic))
+    # Flat expansions of a tree microbatch are new shapes: one untimed pass first, as for the other modes.
+    for _ in range(args.warmup + 1):
+        model.zero_grad(set_to_none=True)
+        seconds = 0.0
+        for g, b, p, use_tree in zip(state["groups"], state["batches"], state["plans"], choices):
+            if use_tree:
+                seconds += timed(lambda: tree_step(model, b, p, device, normalizer, args.attention), device)[0]
+            else:
+                for fg in first_fit_flat([trajectories[i] for i in g], args.capacity):
+                    sub = [trajectories[g[j]] for j in fg]
+                    seconds += timed(lambda: flat_step(model, sub, device, normalizer), device)[0]
+    model.zero_grad(set_to_none=True)
+    return {"tree_microbatches": int(sum(choices)), "of": len(choices), "seconds": seconds}
+
+
+def print_table(rows: list[dict], header: dict) -> None:
+    print(f"model {header['model']} ({header['active_params'] / 1e6:.0f}M active params/token), {header['dtype']} "
+          f"on {header['device_name']}, capacity {header['capacity']}, recompute on, attention {header['attention']}")
+    cols = ["workload", "S", "C", "compr", "flat s", "tree s", "plan s", "F/B/G x", "x/compr", "Core x",
+            "flat GiB", "tree GiB", "flat MFU", "auto x"]
+    print(" ".join(f"{c:>9}" for c in cols))
+    for r in rows:
+        vals = [r["workload"], f"{r['semantic_tokens']:,}", f"{r['compact_tokens']:,}", f"{r['compression']:.2f}",
+                f"{r['flat']['seconds']:.2f}", f"{r['tree']['seconds']:.2f}", f"{r['planning_seconds']:.2f}",
+                f"{r['fbg_speedup']:.2f}", f"{r['fbg_over_compression']:.2f}", f"{r['core_speedup']:.2f}",
+                f"{r['flat']['peak_gib']:.1f}", f"{r['tree']['peak_gib']:.1f}",
+                f"{r['flat_mfu']:.3f}" if r["flat_mfu"] is not None else "-", f"{r['auto']['speedup']:.2f}"]
+        print(" ".join(f"{v:>9}" for v in vals))
+    c = header["cost_model"]
+    print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/compact"
+          f" row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row; auto runs a microbatch as a tree when"
+          " that is cheaper than its flat expansion")
+    print("command: " + header["command"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="ling-3-tiny")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--scale", type=float, default=0.05, help="fraction of a full SWE-like step's paths")
+    parser.add_argument("--token-scale", type=float, default=1.0, help="multiplies every generated length")
+    parser.add_argument("--low-paths", type=int, default=64, help="paths of the low-sharing workload (0: skip)")
+    parser.add_argument("--low-length", type=int, default=8192)
+    parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
+    parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-recompute", action="store_true")
+    parser.add_argument("--json", help="also write results to this file")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    torch.manual_seed(args.seed)
+    config = dataclasses.replace(preset(args.model), dtype=args.dtype)
+    with torch.device(device):
+        model = HybridForCausalLM(config)
+    model.set_activation_checkpointing(not args.no_recompute)
+    V = config.vocab_size
+    workloads = [("swe", swe_like_step(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=V,
+                                       max_path_tokens=args.capacity))]
+    if args.low_paths:
+        workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
+    measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
+    rows = [row for row, _ in measured]
+    cost = fit_cost_model([state for _, state in measured])
+    for row, state in measured:
+        row["auto"] = run_auto(state, cost, model, args, device)
+        row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
+    header = {
+        "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
+        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "active_params": active_params(model),
+        "cost_model": cost,
+        "command": "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    print_table(rows, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
