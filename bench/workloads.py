@@ -12,7 +12,7 @@ paths share exactly the prefix the generator gave them, and the compact size of 
 sum of its branch lengths. Same seed and arguments -> identical trajectories.
 
 SWE-like steps (HARTS §5 Table 2 and Appendix A, Figures 6-8: Claude-Code-scaffold SWE-bench trees). One step holds
-1,300-2,400 paths (uniform, times `scale`) and about 40-60M raw tokens (~26K per path). Every tree hangs from a tiny
+1,300-2,400 paths (uniform, times `scale`) and about 39-60M raw tokens (~26K per path). Every tree hangs from a tiny
 root segment (the 3-token chat-template start, shared by all trees of the step) and has:
   * a main agent: a 2-token header and a ~400-token task prompt, then a chain of turns with heavy-tailed lengths
     (median 1.2K, up to 30K tokens) reaching 60-99% of `max_path_tokens`. Most turns leave a side leaf forking at the
