@@ -20,58 +20,14 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from models.attention_core import AttentionRows
 from models.decoder import DecoderLayer, DecoderOutput, HybridForCausalLM
-from models.linear_attention import CoreInputs, LinearAttention
 from models.logprobs import compact_logprobs
 from models.moe import MoEStats
-from models.tree.attention import Backend, tree_attention
+from models.tree.attention import Backend
 from models.tree.layout import TreeLayout
+from models.tree.mixers import tree_attention_mixer, tree_linear_mixer
 
-__all__ = ["tree_hidden_states", "tree_logprobs", "linear_attention_rounds"]
-
-
-def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
-    """fla conv state [N, Cc, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1)."""
-    padded = torch.cat([x_CX.new_zeros(1, x_CX.shape[1]), x_CX])
-    ctx_NWX = padded[context_NW + 1]
-    return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
-
-
-def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
-    """Run the core over the plan's rounds; returns o [C, HV, V] in physical order (replay outputs dropped)."""
-    state_dtype = torch.float64 if inputs.v.dtype == torch.float64 else torch.float32
-    HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
-    zero = inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)
-    produced: list[torch.Tensor] = []
-    outputs = []
-    for rd in layout.rounds:
-        if rd.all_zero_init:
-            h0 = None
-        else:
-            h0 = torch.cat([zero, *produced])[rd.init_state + 1]
-        gathered = CoreInputs(*(t[rd.gather] for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)))
-        o, _, states = mixer.core(
-            gathered, rd.cu_seqlens, initial_state=h0, state_seq=rd.state_seq, state_chunk=rd.state_chunk
-        )
-        outputs.append(o[rd.output_pos])
-        if states is not None:
-            produced.append(states.to(state_dtype))
-    return torch.cat(outputs)
-
-
-def _linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
-    rows = mixer.project(h_CD)
-    init = _conv_initial_state(rows.qkv, layout.conv_context)
-    qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
-    o = linear_attention_rounds(mixer, mixer.activate(rows, qkv_CX), layout)
-    return mixer.output(o, rows)
-
-
-def _attention_mixer(mixer, h_CD: torch.Tensor, layout: TreeLayout, backend: Backend) -> torch.Tensor:
-    rows: AttentionRows = mixer.project(h_CD, layout.positions)
-    o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, backend)
-    return mixer.output(o, rows)
+__all__ = ["tree_hidden_states", "tree_logprobs"]
 
 
 def _tree_layer(
@@ -79,9 +35,9 @@ def _tree_layer(
 ) -> tuple[torch.Tensor, MoEStats | None]:
     h_CD = layer.input_layernorm(x_CD)
     if layer.layer_type == "full_attention":
-        h_CD = _attention_mixer(layer.mixer, h_CD, layout, backend)
+        h_CD = tree_attention_mixer(layer.mixer, h_CD, layout, backend)
     else:
-        h_CD = _linear_mixer(layer.mixer, h_CD, layout)
+        h_CD = tree_linear_mixer(layer.mixer, h_CD, layout)
     x_CD = x_CD + h_CD
     h_CD = layer.post_attention_layernorm(x_CD)
     if layer.ffn_type == "moe":

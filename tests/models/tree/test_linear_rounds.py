@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.linear_attention import CoreInputs
-from models.tree.execute import linear_attention_rounds
+from models.tree.mixers import linear_attention_rounds
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.pack import pack

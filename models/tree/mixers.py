@@ -1,0 +1,94 @@
+"""Token mixers on the compact rows of a rollout-tree microbatch (HARTS §3.4-3.5), and the context that runs them.
+
+Legend: C compact rows (physical order of the plan), D model dim, X conv channels, N input sequences, W conv width,
+HV value heads, K/V head dims.
+
+A mixer's row-wise steps (projections, norms, activations, output projection) run once per compact row. What couples
+rows follows the tree:
+- full attention: a row sees its path ancestors and itself (`models.tree.attention`), RoPE at original positions;
+- the short conv: each input sequence starts from the W-1 rows preceding it on its own path (never a packing
+  neighbour), gathered as the conv's initial state;
+- the linear-attention core: one packed call per round of the plan; side branches start from chunk-boundary states
+  requested from earlier rounds and replay [floor(p/B)*B, p) of already-activated ancestor rows (state updates only);
+  the states are tensors in the graph, so every consumer's gradient reaches their producer.
+`TreeContext` is what `models.decoder.DecoderLayer` asks to mix (the tree counterpart of `FlatContext`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.attention_core import AttentionRows
+from models.linear_attention import CoreInputs, LinearAttention
+from models.tree.attention import Backend, tree_attention
+from models.tree.layout import TreeLayout
+
+__all__ = ["TreeContext", "linear_attention_rounds", "tree_linear_mixer", "tree_attention_mixer"]
+
+
+def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
+    """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1)."""
+    padded = torch.cat([x_CX.new_zeros(1, x_CX.shape[1]), x_CX])
+    ctx_NWX = padded[context_NW + 1]
+    return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
+
+
+def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
+    """Run the core over the plan's rounds; returns o [C, HV, V] in physical order (replay outputs dropped)."""
+    state_dtype = torch.float64 if inputs.v.dtype == torch.float64 else torch.float32
+    HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
+    zero = inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)
+    produced: list[torch.Tensor] = []
+    outputs = []
+    for rd in layout.rounds:
+        if rd.all_zero_init:
+            h0 = None
+        else:
+            h0 = torch.cat([zero, *produced])[rd.init_state + 1]
+        gathered = CoreInputs(*(t[rd.gather] for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)))
+        o, _, states = mixer.core(
+            gathered, rd.cu_seqlens, initial_state=h0, state_seq=rd.state_seq, state_chunk=rd.state_chunk
+        )
+        outputs.append(o[rd.output_pos])
+        if states is not None:
+            produced.append(states.to(state_dtype))
+    return torch.cat(outputs)
+
+
+def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
+    rows = mixer.project(h_CD)
+    init = _conv_initial_state(rows.qkv, layout.conv_context)
+    qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
+    o = linear_attention_rounds(mixer, mixer.activate(rows, qkv_CX), layout)
+    return mixer.output(o, rows)
+
+
+def tree_attention_mixer(mixer: nn.Module, h_CD: torch.Tensor, layout: TreeLayout, backend: Backend) -> torch.Tensor:
+    """Gated attention / MLA over compact rows: ancestor-or-self attention at original positions -> `[C, D]`."""
+    rows: AttentionRows = mixer.project(h_CD, layout.positions)
+    o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, backend)
+    return mixer.output(o, rows)
+
+
+@dataclass
+class TreeContext:
+    """What every decoder layer needs for tree execution of one microbatch: its layout and the full-attention
+    backend. Activation recomputation re-reads the same context (nothing is re-planned)."""
+
+    layout: TreeLayout
+    attention_backend: Backend = "dense"
+
+    @property
+    def row_weight(self) -> torch.Tensor:
+        """`[C]` float64 multiplicities: MoE statistics count each row once per trajectory through it."""
+        return self.layout.row_weight
+
+    def mix(self, mixer: nn.Module, h_CD: torch.Tensor) -> torch.Tensor:
+        """The layer's token mixer on normed compact rows `[C, D]` -> `[C, D]`."""
+        if isinstance(mixer, LinearAttention):
+            return tree_linear_mixer(mixer, h_CD, self.layout)
+        return tree_attention_mixer(mixer, h_CD, self.layout, self.attention_backend)
