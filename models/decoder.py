@@ -10,6 +10,12 @@ Module tree and parameter names are those of transformers 5's Qwen3NextForCausal
 Flat packed forward: rows of N sequences are concatenated; `cu_seqlens` `[N+1]` marks the sequences; positions
 restart at 0 in each sequence unless given; full attention is causal inside each sequence; linear attention and the
 short conv restart from zero states at every sequence.
+
+Tree forward (HARTS §3.4-3.5): the compact rows C of a rollout-tree microbatch in the plan's physical order, described
+by a `models.tree.layout.TreeLayout`. The same layer loop and the same `DecoderLayer.forward` run both: a layer asks
+its context (`FlatContext` or `models.tree.mixers.TreeContext`) to run its token mixer, so only the mixers' row
+couplings differ; every row-wise step (embeddings, norms, projections, MLP/MoE, LM head) runs once per compact row,
+and MoE statistics are weighted by the rows' multiplicities.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ from models.ffn import SwiGLU
 from models.gated_attention import GatedAttention
 from models.gdn import GatedDeltaNet
 from models.kda import KimiDeltaAttention
+from models.linear_attention import LinearAttention
+from models.logprobs import compact_logprobs
 from models.mla import MLA
 from models.moe import MoE, MoEStats
 from models.norms import RMSNorm
+from models.tree.attention import Backend
+from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 
 @dataclass
 class FlatContext:
@@ -42,6 +53,18 @@ class FlatContext:
     """LongTensor `[N+1]`."""
     mask: VarlenCausalMask
     """Full-attention mask description."""
+
+    @property
+    def row_weight(self) -> None:
+        """Every row counts once in MoE statistics."""
+        return None
+
+    def mix(self, mixer: nn.Module, h_TD: torch.Tensor) -> torch.Tensor:
+        """The layer's token mixer on normed rows `[T, D]` -> `[T, D]`: attention causal inside each sequence,
+        linear attention and its conv from zero states at every sequence."""
+        if isinstance(mixer, LinearAttention):
+            return mixer(h_TD, self.cu_seqlens)
+        return mixer(h_TD, self.position_ids, self.mask)
 
 
 @dataclass
@@ -56,6 +79,16 @@ class DecoderOutput:
 class CausalLMOutput(DecoderOutput):
     logits: torch.Tensor | None = None
     """`[T, V]` (or `[B, T, V]`) logits in the model dtype."""
+
+
+@dataclass
+class TreeLMOutput(DecoderOutput):
+    """Tree forward: `hidden` `[C, D]` of the compact rows in physical order, multiplicity-weighted MoE stats."""
+
+    logprobs: torch.Tensor | None = None
+    """`[S]` semantic log-probabilities in original order (0 for first tokens), fp32 (float64 for float64)."""
+    entropy: torch.Tensor | None = None
+    """`[S]` entropies of the predictive distributions when asked, else None."""
 
 
 def mixer_attribute(config: ModelConfig, layer_type: str) -> str:
@@ -94,16 +127,23 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> GatedAttention | MLA | GatedDeltaNet | KimiDeltaAttention:
         return getattr(self, self.mixer_name)
 
-    def forward(self, x_TD: torch.Tensor, ctx: FlatContext) -> tuple[torch.Tensor, MoEStats | None]:
-        h_TD = self.input_layernorm(x_TD)
-        if self.layer_type == "full_attention":
-            h_TD = self.mixer(h_TD, ctx.position_ids, ctx.mask)
-        else:
-            h_TD = self.mixer(h_TD, ctx.cu_seqlens)
-        x_TD = x_TD + h_TD
+    def forward(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> tuple[torch.Tensor, MoEStats | None]:
+        """x `[T, D]` (compact rows `[C, D]` under a TreeContext) -> (x, MoE statistics or None for a dense FFN).
+
+        With `checkpoint_activations` (and grad enabled) the activations are recomputed in backward from the same
+        `ctx`, inside this module's call (so inside its FSDP2 unit, after the unit's parameters are gathered).
+        """
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._residual_blocks, x_TD, ctx, use_reentrant=False)
+        return self._residual_blocks(x_TD, ctx)
+
+    def _residual_blocks(
+        self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext
+    ) -> tuple[torch.Tensor, MoEStats | None]:
+        x_TD = x_TD + ctx.mix(self.mixer, self.input_layernorm(x_TD))
         h_TD = self.post_attention_layernorm(x_TD)
         if self.ffn_type == "moe":
-            h_TD, stats = self.mlp(h_TD)
+            h_TD, stats = self.mlp(h_TD, ctx.row_weight)
         else:
             h_TD, stats = self.mlp(h_TD), None
         return x_TD + h_TD, stats
@@ -212,20 +252,53 @@ class HybridForCausalLM(nn.Module):
         elif input_ids.dim() != 1:
             raise ValueError(f"`input_ids` must be [T] or [B, T], got shape {tuple(input_ids.shape)}")
         ctx = flat_context(input_ids.shape[0], position_ids, cu_seqlens, input_ids.device)
-        x_TD = self.model.embed_tokens(input_ids)
+        out = self.decode(self.model.embed_tokens(input_ids), ctx)
+        if batch_shape is not None:
+            out.hidden = out.hidden.view(*batch_shape, -1)
+        return out
+
+    def tree_hidden_states(self, layout: TreeLayout, attention_backend: Backend = "dense") -> DecoderOutput:
+        """Final-normed hidden states `[C, D]` of the layout's physical rows and per-layer MoE statistics
+        (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`."""
+        linear = self.config.linear_attention
+        if linear is not None and linear.chunk_size != layout.chunk_size:
+            raise ValueError(
+                f"the plan was made with chunk_size {layout.chunk_size} but the model's linear attention uses "
+                f"{linear.chunk_size}: plan with planner.calls.plan_calls(batch, chunk_size={linear.chunk_size})"
+            )
+        return self.decode(self.model.embed_tokens(layout.tokens), TreeContext(layout, attention_backend))
+
+    def decode(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> DecoderOutput:
+        """The layer loop of both forwards: embedded rows `[T, D]` -> final-normed hidden states and per-layer MoE
+        statistics. Each layer is entered as a module (so wrappers that hook `forward`, like FSDP2, see it)."""
         stats: list[MoEStats | None] = []
         for layer in self.model.layers:
-            if layer.checkpoint_activations and torch.is_grad_enabled():
-                x_TD, s = checkpoint(layer, x_TD, ctx, use_reentrant=False)
-            else:
-                x_TD, s = layer(x_TD, ctx)
+            x_TD, s = layer(x_TD, ctx)
             stats.append(s)
-        hidden = self.model.norm(x_TD)
-        if batch_shape is not None:
-            hidden = hidden.view(*batch_shape, -1)
-        return DecoderOutput(hidden, stats)
+        return DecoderOutput(self.model.norm(x_TD), stats)
 
-    def forward(
+    def compact_logprobs(
+        self, hidden_CD: torch.Tensor, layout: TreeLayout, chunk_rows: int | None = None, entropy: bool = False
+    ):
+        """Semantic log-probabilities `[S]` (and entropies `[S]` if asked) of the LM head over tree hidden states
+        `[C, D]` (`models.logprobs.compact_logprobs`). A tensor-parallel model overrides this with its
+        vocabulary-parallel version."""
+        return compact_logprobs(
+            hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy
+        )
+
+    def forward(self, input_ids: torch.Tensor | TreeLayout, *args, **kwargs) -> CausalLMOutput | TreeLMOutput:
+        """Flat: `forward(input_ids, position_ids=None, cu_seqlens=None)` -> `flat_forward`.
+        Tree: `forward(layout, attention_backend="dense", chunk_rows=None, entropy=False)` -> `tree_forward`.
+
+        The tree form is how tree execution enters the model as a module (`models.tree.execute.tree_logprobs`), so
+        that a wrapper of the root (FSDP2's unit of embeddings, final norm and LM head) sees the whole step.
+        """
+        if isinstance(input_ids, TreeLayout):
+            return self.tree_forward(input_ids, *args, **kwargs)
+        return self.flat_forward(input_ids, *args, **kwargs)
+
+    def flat_forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
@@ -235,3 +308,14 @@ class HybridForCausalLM(nn.Module):
         `models.logprobs` to avoid materialising [T, V])."""
         out = self.hidden_states(input_ids, position_ids, cu_seqlens)
         return CausalLMOutput(out.hidden, out.moe_stats, out.hidden @ self.lm_head_weight.T)
+
+    def tree_forward(
+        self, layout: TreeLayout, attention_backend: Backend = "dense", chunk_rows: int | None = None,
+        entropy: bool = False,
+    ) -> TreeLMOutput:
+        """`tree_hidden_states` plus `compact_logprobs` (`chunk_rows`: rows per vocabulary chunk, default ~512 MiB
+        of fp32 scratch)."""
+        out = self.tree_hidden_states(layout, attention_backend)
+        result = self.compact_logprobs(out.hidden, layout, chunk_rows, entropy)
+        logprobs, entropy_S = result if entropy else (result, None)
+        return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)

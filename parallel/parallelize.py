@@ -1,15 +1,16 @@
 """`parallelize_hybrid`: tensor/expert parallelism -> activation checkpointing -> compile -> FSDP2, in one place.
 
 Why this order (torchtitan's `parallelize_qwen3` uses the same):
-- TP/EP first: they replace parameters by DTensors on the tp/ep meshes and swap module classes; FSDP2 must see those
-  DTensors to shard them again over the data-parallel mesh (2-D parameters), and checkpointing and compile must wrap
-  the code that finally runs (with its collectives).
-- Activation checkpointing next: recomputation runs inside each FSDP unit (`TreeDecoderLayer`), after FSDP2 has
-  gathered the unit's parameters for backward.
+- TP/EP first: they replace parameters by DTensors on the tp/ep meshes and swap module classes (under TP also the
+  model's, for vocabulary-parallel log-probs: `parallel.tree_module`); FSDP2 must see those DTensors to shard them
+  again over the data-parallel mesh (2-D parameters), and checkpointing and compile must wrap the code that finally
+  runs (with its collectives).
+- Activation checkpointing next: recomputation runs inside each FSDP unit (`DecoderLayer.forward`), after FSDP2
+  has gathered the unit's parameters for backward.
 - Compile after checkpointing and before FSDP2, so compiled regions hold model math only and FSDP2's hooks stay
   outside them.
-- FSDP2 last: it wraps the finished modules, and its units (layers, experts, root) are the modules the tree
-  execution now calls.
+- FSDP2 last: it wraps the finished modules, and its units (layers, experts, root) are the modules tree execution
+  calls (`model(layout, ...)`, then each layer from the model's layer loop).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from parallel.fsdp import apply_fsdp
 from parallel.local_params import LocalParams
 from parallel.mesh import ParallelMeshes
 from parallel.tensor_parallel import apply_tensor_parallel
-from parallel.tree_module import to_tree_modules
+from parallel.tree_module import use_vocab_parallel_logprobs
 
 __all__ = ["parallelize_hybrid"]
 
@@ -38,13 +39,13 @@ def apply_compile(model: HybridForCausalLM, backend: str) -> None:
 def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config: ParallelConfig) -> HybridForCausalLM:
     """Wrap `model` in place for `meshes` (built from the same resolved `config`) and return it.
 
-    After this, run microbatches with `parallel.step.train_step` (or `parallel.tree_module.forward_tree`); the
+    After this, run microbatches with `parallel.step.train_step` (or `models.tree.execute.tree_logprobs`); the
     parameters are DTensors (save them with `parallel.checkpoint`).
     """
     config.validate(model.config)
-    to_tree_modules(model)
     if config.tp > 1:
         apply_tensor_parallel(model, meshes.tp)
+        use_vocab_parallel_logprobs(model)
     if config.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     model.set_activation_checkpointing(config.activation_checkpointing == "full")

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from models.decoder import DecoderOutput, HybridForCausalLM
+from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.microbatch import MicrobatchPlan
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
-from parallel.tree_module import forward_tree
 
 __all__ = ["MicrobatchLoss", "StepNormalizer", "StepMetrics", "replica_microbatches", "step_normalizer",
            "token_weights", "train_step"]
@@ -155,7 +155,7 @@ def train_step(
         batch = pack(trajectories)
         plan = plan_calls(batch, chunk_size)
         layout = TreeLayout.build(batch, plan, conv_size, device)
-        logprobs, output = forward_tree(model, layout, attention_backend, chunk_rows)
+        logprobs, output = tree_logprobs(model, layout, attention_backend, chunk_rows=chunk_rows)
         loss, metrics = loss_fn(logprobs, batch, output)
         loss.backward()
         loss_sum += loss.detach()

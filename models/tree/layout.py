@@ -66,7 +66,9 @@ def build_attention_layout(
     )
 
 
-def conv_context_rows(batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, width: int) -> np.ndarray:
+def conv_context_rows(
+    batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, width: int
+) -> np.ndarray:
     """[N, W-1] physical rows of the W-1 path predecessors of each branch's first row, oldest first; -1 = none.
 
     A branch's short convolution reads these as its initial conv state, so its first rows see their true ancestors

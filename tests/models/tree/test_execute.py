@@ -14,6 +14,7 @@ import torch
 
 from models.config import GDNConfig, KDAConfig
 from models.decoder import HybridForCausalLM
+from models.logprobs import naive_compact_logprobs
 from models.moe import load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_logprobs
@@ -119,3 +120,22 @@ def test_tree_equals_flat_float64(name, recompute):
         assert a is not None, n
         worst = max(worst, (a - b).norm().item() / max(b.norm().item(), 1e-30))
     assert worst <= TOL, worst
+
+
+def test_tree_logprobs_entropy_and_forward_entry():
+    """`tree_logprobs(entropy=True)` through `model(layout, ...)`: the same log-probs and hidden states as without,
+    the entropies of the LM head over those hidden states; a plan made with another chunk size is refused."""
+    model = make_model("tiny-kimi-linear", torch.float64)
+    chunk = model.config.linear_attention.chunk_size
+    batch = pack(nested_fork_trajectories(np.random.default_rng(2), chunk, model.config.vocab_size, depth=2))
+    layout = TreeLayout.build(batch, plan_calls(batch, chunk), model.config.linear_attention.conv_size)
+    with torch.no_grad():
+        lp, out = tree_logprobs(model, layout)
+        lp_e, ent, out_e = tree_logprobs(model, layout, entropy=True)
+        direct = model(layout, entropy=True)
+    _, want = naive_compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target, entropy=True)
+    assert torch.equal(lp_e, lp) and torch.equal(out_e.hidden, out.hidden) and torch.equal(direct.entropy, ent)
+    torch.testing.assert_close(ent, want, rtol=1e-12, atol=1e-12)
+    other = TreeLayout.build(batch, plan_calls(batch, 2 * chunk), model.config.linear_attention.conv_size)
+    with pytest.raises(ValueError, match=f"chunk_size={chunk}"):
+        tree_logprobs(model, other)
