@@ -6,6 +6,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from tests.models.hf_oracle import transformers_cpu  # noqa: E402
+
 # The tests run many small ops; on a 2-core machine a second intra-op thread mostly adds contention
 # (measured: the KDA reference step 10 ms with one thread, up to 175 ms with two under load).
 torch.set_num_threads(1)
+
+# transformers binds fla's Triton kernels into its Qwen3-Next / Kimi-Linear modeling modules when they are first
+# imported with fla importable, and those kernels fail on CPU ("0 active drivers"). Import the modules once, with fla
+# hidden, before any test module can import them: every later import (test oracles, tests of the norm ops, vLLM)
+# then gets the plain-torch fallbacks, whatever the test order.
+transformers_cpu()
