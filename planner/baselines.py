@@ -218,7 +218,13 @@ def dta_plan(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> Micr
     ends = starts[1:] + [index.size]
     ranges = [np.arange(a, b) for a, b in zip(starts, ends)]
     while len(ranges) < k:
-        j = max((j for j in range(len(ranges)) if ranges[j].size >= 2), key=lambda j: index.set_work(ranges[j]))
+        splittable = [j for j in range(len(ranges)) if ranges[j].size >= 2]
+        if not splittable:
+            raise ValueError(
+                f"areal-dta: {len(trajectories)} trajectories cannot be split into {k} microbatches (a multiple of "
+                f"dp={dp}): too few trajectories for this capacity"
+            )
+        j = max(splittable, key=lambda j: index.set_work(ranges[j]))
         cut = _split_cost(index, ranges[j])[1]
         ranks = ranges.pop(j)
         ranges[j:j] = [ranks[:cut], ranks[cut:]]
