@@ -15,12 +15,13 @@ Projections, norms and RoPE run once per compact row before this; gathers scatte
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from models.attention_core import varlen_flash_causal
 
 __all__ = ["TreeAttentionLayout", "tree_attention", "Backend"]
 
@@ -117,29 +118,6 @@ def _branch_reference(q, k_view, v_view, layout: TreeAttentionLayout, scale: flo
     return out
 
 
-def _branch_flash(q, k_view, v_view, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    group = q.shape[1] // k_view.shape[1]
-    if group > 1 and "enable_gqa" not in params:
-        k_view, v_view = k_view.repeat_interleave(group, dim=1), v_view.repeat_interleave(group, dim=1)
-    V = v_view.shape[-1]
-    if V < q.shape[-1]:
-        v_view = F.pad(v_view, (0, q.shape[-1] - V))
-    # Flash kernels align a causal mask bottom-right when queries are fewer than keys (query i of a branch with h
-    # ancestors sees view rows j <= h + i), which is what the branch view needs.
-    kwargs = {"scale": scale}
-    kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
-    if group > 1 and "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    out = varlen_attn(
-        q, k_view, v_view, layout.cu_q.to(torch.int32), layout.cu_kv.to(torch.int32), layout.max_q, layout.max_kv,
-        **kwargs,
-    )
-    return out[..., :V]
-
-
 def tree_attention(
     q_CHK: torch.Tensor,
     k_CGK: torch.Tensor,
@@ -165,6 +143,8 @@ def tree_attention(
     if backend == "branch":
         k_view, v_view = k_CGK[layout.kv_index], v_CGV[layout.kv_index]
         if q_CHK.is_cuda and q_CHK.dtype in (torch.bfloat16, torch.float16):
-            return _branch_flash(q_CHK, k_view, v_view, layout, scale)
+            return varlen_flash_causal(
+                q_CHK, k_view, v_view, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, scale
+            )
         return _branch_reference(q_CHK, k_view, v_view, layout, scale)
     raise ValueError(f"`backend` must be 'dense', 'flex' or 'branch', got {backend!r}")
