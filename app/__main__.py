@@ -1,4 +1,4 @@
-"""`python -m app CONFIG.toml [--print-config] [--section.key=value ...]` (what ./run.sh runs)."""
+"""`python -m app CONFIG.toml [--resume] [--print-config] [--section.key=value ...]` (what ./run.sh runs)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("config", help="TOML job config (e.g. configs/demo.toml)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (checkpoint.resume)")
     args, overrides = parser.parse_known_args(argv)
+    if args.resume:
+        overrides = [*overrides, "--checkpoint.resume=true"]
     try:
         config = load_config(JobConfig, args.config, overrides)
         if args.print_config:
             print(to_toml(config), end="")
             return 0
-        from app.plan_report import run_plan_report
+        if config.job.kind == "plan":
+            from app.plan_report import run_plan_report
 
-        return run_plan_report(config)
+            return run_plan_report(config)
+        from app.rl_job import run_rl
+
+        return run_rl(config)
     except (ConfigError, TrajectoryFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -179,12 +179,26 @@ def _toml_value(v) -> str:
     return repr(v)
 
 
+def _toml_table(name: str, obj, lines: list[str]) -> None:
+    """Append `[name]` with the scalar fields of dataclass `obj`, then its nested dataclasses as `[name.field]`."""
+    lines.append(f"[{name}]")
+    nested = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((f.name, value))
+        elif value is None:
+            lines.append(f"# {f.name} = (unset)")
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    lines.append("")
+    for key, value in nested:
+        _toml_table(f"{name}.{key}", value, lines)
+
+
 def to_toml(config) -> str:
     """The resolved config as TOML (None values are shown as comments: TOML has no null)."""
-    lines = []
-    for section, table in to_dict(config).items():
-        lines.append(f"[{section}]")
-        for key, value in table.items():
-            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
-        lines.append("")
+    lines: list[str] = []
+    for f in dataclasses.fields(config):
+        _toml_table(f.name, getattr(config, f.name), lines)
     return "\n".join(lines)

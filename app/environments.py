@@ -1,0 +1,42 @@
+"""Environments by name: the built-ins, or any `rollout.envs.Environment` subclass given as "package.module:Class"."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from app.config_loader import ConfigError
+from rollout.envs import CalculatorEnv, Environment
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "make_environment"]
+
+BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": CalculatorEnv}
+
+
+def _resolve(name: str) -> type:
+    if name in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ConfigError(
+            f"`rollout.env` = {name!r} is neither a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) nor "
+            "'package.module:Class'"
+        )
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"`rollout.env` = {name!r}: cannot import module {module_name!r} ({e})") from None
+    if not hasattr(module, class_name):
+        raise ConfigError(f"`rollout.env` = {name!r}: module {module_name!r} has no attribute {class_name!r}")
+    return getattr(module, class_name)
+
+
+def make_environment(name: str, options: dict[str, Any]) -> Environment:
+    """Build the environment `name` with keyword arguments `options` (the `[rollout]` keys env, env_options)."""
+    cls = _resolve(name)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ConfigError(f"`rollout.env` = {name!r} is not a subclass of rollout.envs.Environment")
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"`rollout.env_options` {options} for environment {name!r}: {e}") from None

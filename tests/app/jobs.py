@@ -1,0 +1,51 @@
+"""Small RL job configs for the app tests: a narrow tiny-qwen3-next, a few short rollout trees per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Torch engine (seeded, reproducible) and the coin environment: nonzero advantages without training.
+TORCH_JOB = """
+[model]
+vocab_size = 128
+hidden_size = 64
+
+[rollout]
+engine = "torch"
+seed = 7
+env = "tests.app.coin_env:CoinEnv"
+tasks_per_step = 3
+fan_out = 2
+max_turns = 2
+max_new_tokens = 5
+max_model_len = 128
+
+[planner]
+# Several microbatches per step: gradients accumulate across them.
+capacity = 48
+
+[train]
+threads = 1
+sft_steps = 2
+sft_tasks_per_step = 3
+steps = 4
+lr = 1e-3
+warmup_steps = 2
+
+[checkpoint]
+dir = "ck"
+interval = 1
+keep = 10
+export_dir = "hf"
+
+[metrics]
+log_dir = "tb"
+progress = false
+tree_picture_interval = 2
+"""
+
+
+def write_job(folder: Path, text: str = TORCH_JOB, extra: str = "") -> Path:
+    path = folder / "job.toml"
+    path.write_text(text + extra)
+    return path
