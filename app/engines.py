@@ -2,7 +2,8 @@
 
 vLLM starts from a folder holding only config.json and the tokenizer (`load_format="dummy"`, random weights) and
 then receives the policy through `update_weights`, the same path every later step takes; nothing is written but the
-config. vLLM's own INFO logging is lowered to WARNING unless VLLM_LOGGING_LEVEL is set.
+config. vLLM logs only errors unless VLLM_LOGGING_LEVEL is set (its warnings repeat every weight reload: fp32 tensors
+cast to bf16, "RotaryEmbedding: Failed to load weights" for a layer without weights).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["build_engine"]
 
 
 def _vllm_engine(section: RolloutSection, model: HybridForCausalLM, tokenizer) -> Engine:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     v = section.vllm
