@@ -160,11 +160,16 @@ class _Job:
             conv_size=self.conv_size, aggregation=aggregation, device=self.device,
         )
 
+    def _score(self, model: HybridForCausalLM, plan: StepPlan, temperature: float) -> list[torch.Tensor]:
+        return score(model, plan.microbatches, temperature=temperature,
+                     attention_backend=self.config.train.attention_backend)
+
     def _update(self, plan: StepPlan, loss_fn, lr: float, temperature: float, label: str) -> tuple[StepResult, dict]:
         """One forward/backward over the step and an optimizer step; a non-finite loss or norm skips it."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        result = forward_backward(self.model, plan.microbatches, loss_fn, temperature=temperature)
+        result = forward_backward(self.model, plan.microbatches, loss_fn, temperature=temperature,
+                                  attention_backend=self.config.train.attention_backend)
         info = {"lr": lr, "skipped": 0.0}
         if not result.finite:
             self.optimizer.zero_grad(set_to_none=True)
@@ -237,8 +242,10 @@ class _Job:
             # vLLM reseeds the global generators when it starts; continue from the checkpointed states instead.
             set_rng_state(self.resumed_rng)
         task = bars.phase("RL", c.train.steps, self.done.rl_done)
+        rewards = []
         for step in range(self.done.rl_done, c.train.steps):
             values, trees = self._rl_step(engine, step, bars)
+            rewards.append((step + 1, values["rollout/reward_mean"]))
             self.metrics.scalars(self.done.step, values)
             if c.metrics.tree_picture_interval and step % c.metrics.tree_picture_interval == 0:
                 self.metrics.image("rollout/tree", self.done.step, render_tree(trees[0], self.tokenizer))
@@ -251,6 +258,11 @@ class _Job:
             bars.advance(task, info=f"reward {values['rollout/reward_mean']:.3f}")
             if self._checkpoint_due():
                 self.save()
+        if len(rewards) >= 2:
+            k = max(1, min(5, len(rewards) // 2))
+            first, last = rewards[:k], rewards[-k:]
+            bars.print(f"mean reward: RL steps {first[0][0]}-{first[-1][0]} {np.mean([r for _, r in first]):.3f}, "
+                       f"RL steps {last[0][0]}-{last[-1][0]} {np.mean([r for _, r in last]):.3f}", soft_wrap=True)
 
     def _rl_step(self, engine, step: int, bars: JobProgress) -> tuple[dict, list[RolloutTree]]:
         c = self.config
@@ -274,10 +286,10 @@ class _Job:
         t2 = time.perf_counter()
         temperature = c.rollout.temperature
         if self.reference is not None:
-            for mb, ref in zip(plan.microbatches, score(self.reference, plan.microbatches, temperature=temperature)):
+            for mb, ref in zip(plan.microbatches, self._score(self.reference, plan, temperature)):
                 mb.ref_logprobs = ref
         if c.rl.epochs > 1:
-            for mb, old in zip(plan.microbatches, score(self.model, plan.microbatches, temperature=temperature)):
+            for mb, old in zip(plan.microbatches, self._score(self.model, plan, temperature)):
                 mb.old_logprobs = old
         loss_fn = rl_loss(c.rl, self.router)
         train_bar = bars.transient("train", c.rl.epochs)

@@ -24,6 +24,7 @@ import torch
 from models.decoder import DecoderOutput, HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.moe import MoEStats
+from models.tree.attention import Backend
 from models.tree.execute import tree_hidden_states
 from models.tree.layout import TreeLayout
 from parallel.step import replica_microbatches, step_normalizer, token_weights
@@ -139,27 +140,30 @@ def prepare_microbatches(
     )
 
 
-def _logprobs(model: HybridForCausalLM, mb: Microbatch, temperature: float, entropy: bool):
+def _logprobs(model: HybridForCausalLM, mb: Microbatch, temperature: float, entropy: bool, backend: Backend):
     """Tree execution + compact log-probs of the tempered distribution softmax(logits / temperature), which is
     what the rollout engine sampled from (vLLM "processed_logprobs")."""
-    out = tree_hidden_states(model, mb.layout)
+    out = tree_hidden_states(model, mb.layout, backend)
     weight_VD = model.lm_head_weight if temperature == 1.0 else model.lm_head_weight / temperature
     result = compact_logprobs(out.hidden, weight_VD, mb.layout.logit_row, mb.layout.target, entropy=entropy)
     return result, out
 
 
 def forward_backward(
-    model: HybridForCausalLM, microbatches: Sequence[Microbatch], loss_fn: MicrobatchLoss, *, temperature: float = 1.0
+    model: HybridForCausalLM, microbatches: Sequence[Microbatch], loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
+    attention_backend: Backend = "dense",
 ) -> StepResult:
     """Forward, loss and backward of every microbatch in order; gradients accumulate in the parameters.
 
-    Stops at the first non-finite microbatch loss (result.finite False): the caller must then drop the gradients.
+    `attention_backend` is the tree full-attention backend (models.tree.attention: "dense" is the O(C^2) CPU
+    reference, "flex" / "branch" for GPUs). Stops at the first non-finite microbatch loss (result.finite False): the
+    caller must then drop the gradients.
     """
     result = StepResult(finite=True)
     sums: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(microbatches):
         start = time.perf_counter()
-        (logprobs_S, entropy_S), output = _logprobs(model, mb, temperature, entropy=True)
+        (logprobs_S, entropy_S), output = _logprobs(model, mb, temperature, True, attention_backend)
         loss, metrics = loss_fn(mb, logprobs_S, entropy_S, output)
         middle = time.perf_counter()
         if not torch.isfinite(loss):
@@ -181,11 +185,14 @@ def forward_backward(
 
 
 @torch.no_grad()
-def score(model: HybridForCausalLM, microbatches: Sequence[Microbatch], *, temperature: float = 1.0) -> list[torch.Tensor]:
+def score(
+    model: HybridForCausalLM, microbatches: Sequence[Microbatch], *, temperature: float = 1.0,
+    attention_backend: Backend = "dense",
+) -> list[torch.Tensor]:
     """[S] float64 log-probs of every microbatch under `model` (no graph): old or reference log-probs."""
     out = []
     for mb in microbatches:
-        logprobs_S, _ = _logprobs(model, mb, temperature, entropy=False)
+        logprobs_S, _ = _logprobs(model, mb, temperature, False, attention_backend)
         out.append(logprobs_S.to(torch.float64))
     return out
 

@@ -46,6 +46,7 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     assert main([str(write_job(tmp_path))]) == 0
     out = capsys.readouterr().out
     assert "RL step   4/4" in out and "exported the policy" in out
+    assert "mean reward: RL steps 1-2 " in out and ", RL steps 3-4 " in out
     checkpoints = Checkpointer(tmp_path / "ck")
     assert checkpoints.steps() == [1, 2, 3, 4, 5, 6]
     state = checkpoints.load()
@@ -175,3 +176,20 @@ def test_invalid_environment_output_names_tree_and_turn(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "invalid environment output at step 1" in out
     assert "tree 0-0, turn 0: token id 500 outside the vocabulary [0, 128)" in out
+
+
+def test_ppo_epochs_with_kl_reference_resume_to_the_same_parameters(tmp_path):
+    """PPO-clip over 2 epochs with old log-probs, k3 KL to the frozen post-SFT policy; stopping after 2 RL steps and
+    resuming restores the reference and reaches the uninterrupted parameters."""
+    ppo = ["--rl.objective=ppo", "--rl.epochs=2", "--rl.kl_coef=0.1", "--train.lr=1e-2"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert main([str(write_job(tmp_path / "a")), *ppo]) == 0
+    assert main([str(write_job(tmp_path / "b")), *ppo, "--train.steps=2"]) == 0
+    assert main([str(write_job(tmp_path / "b")), *ppo, "--resume"]) == 0
+    a, b = Checkpointer(tmp_path / "a" / "ck").load(), Checkpointer(tmp_path / "b" / "ck").load()
+    assert a["reference"] is not None and models_equal(a["reference"], b["reference"])
+    assert models_equal(a["model"], b["model"])
+    kl = {e.step: e.value for e in events(tmp_path / "a").Scalars("train/kl")}
+    # The first RL step starts at the reference (KL exactly 0); two epochs later the policy has moved.
+    assert kl[3] == 0.0 and kl[4] > 0.0
