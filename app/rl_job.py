@@ -110,13 +110,14 @@ class _Job:
                               "(use --resume to continue a run)")
         self.metrics = MetricsLog(c.metrics.log_dir, self.run_name, purge_step=purge)
 
-    # ---- checkpoints -------------------------------------------------------------------------------------------
     def _state(self) -> dict:
         return {
             "progress": asdict(self.done),
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
-            "reference": None if self.reference is None else self.reference.state_dict(),
+            "reference": None if self.reference is None else {
+                k: v.detach().cpu() for k, v in self.reference.state_dict().items()
+            },
             "rng": rng_state(),
             "run_name": self.run_name,
         }
@@ -149,7 +150,6 @@ class _Job:
             p.requires_grad_(False)
         return ref
 
-    # ---- shared pieces ------------------------------------------------------------------------------------------
     def _lr(self, peak: float, phase_step: int) -> float:
         warmup = self.config.train.warmup_steps
         return peak * min(1.0, (phase_step + 1) / warmup) if warmup else peak
@@ -199,7 +199,6 @@ class _Job:
         interval = self.config.checkpoint.interval
         return interval > 0 and self.done.step % interval == 0
 
-    # ---- phases -------------------------------------------------------------------------------------------------
     def sft(self, bars: JobProgress) -> None:
         c = self.config
         if self.done.sft_done >= c.train.sft_steps:
@@ -219,7 +218,8 @@ class _Job:
                 values.update({"sft/loss": result.loss, "sft/nll": result.metrics["nll_sum"] / n,
                                "sft/entropy": result.metrics["entropy_sum"] / n,
                                "sft/router_loss": result.metrics["router_loss"], **_plan_scalars(plan)})
-                values.update({f"sft/{k}": v for k, v in info.items() if k in ("grad_norm",)})
+            if "grad_norm" in info:
+                values["sft/grad_norm"] = info["grad_norm"]
             self.metrics.scalars(self.done.step, values)
             bars.advance(task, info=f"nll {values.get('sft/nll', float('nan')):.3f}")
             if (s + 1) % max(1, c.train.sft_steps // 5) == 0 or s + 1 == c.train.sft_steps:
@@ -317,7 +317,8 @@ class _Job:
             values.update(_train_scalars(first, info))
         values.update({"time/rollout": t1 - t0, "time/planner": plan.planner_seconds,
                        "time/forward": first.forward_seconds, "time/backward": first.backward_seconds,
-                       "time/train": t3 - t2, "time/weight_sync": t4 - t3, "time/step": t4 - t0})
+                       "time/optimizer": info.get("optimizer_seconds", 0.0), "time/train": t3 - t2,
+                       "time/weight_sync": t4 - t3, "time/step": t4 - t0})
         return values, trees
 
     def export(self) -> None:
