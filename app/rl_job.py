@@ -128,9 +128,8 @@ class _Job:
     def _restore(self) -> None:
         path = self.checkpoints.latest()
         if path is None:
-            raise ConfigError(
-                f"`checkpoint.resume`: no checkpoint in {self.config.checkpoint.dir}; run without --resume to start fresh"
-            )
+            raise ConfigError(f"`checkpoint.resume`: no checkpoint in {self.config.checkpoint.dir}; "
+                              "run without --resume to start fresh")
         state = self.checkpoints.load(path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -210,7 +209,8 @@ class _Job:
             tasks = self.env.sample_tasks(c.train.sft_tasks_per_step, random.Random(f"{c.train.seed}/sft/{s}"))
             trees = [demonstration_tree(self.env, t, self.tokenizer, f"sft{s}-{i}") for i, t in enumerate(tasks)]
             plan = self._plan([t for tree in trees for t in tree.trajectories()], "token-mean")
-            result, info = self._update(plan, loss_fn, self._lr(c.train.sft_lr or c.train.lr, s), 1.0, f"SFT step {s + 1}")
+            lr = self._lr(c.train.sft_lr or c.train.lr, s)
+            result, info = self._update(plan, loss_fn, lr, 1.0, f"SFT step {s + 1}")
             self.done.sft_done = s + 1
             values = {"sft/lr": info["lr"], "sft/skipped": info["skipped"], "time/step": time.perf_counter() - start}
             if result.finite:

@@ -61,7 +61,9 @@ class TorchEngine(Engine):
 
     def _sequences(self, request: GenerationRequest) -> list[_Sequence]:
         if request.top_p != 1.0:
-            raise NotImplementedError(f"TorchEngine samples the full distribution: top_p must be 1, got {request.top_p}")
+            raise NotImplementedError(
+                f"TorchEngine samples the full distribution: top_p must be 1, got {request.top_p}"
+            )
         prompt = [int(t) for t in request.prompt_token_ids]
         if len(prompt) >= self._max_model_len:
             raise EngineError(f"TorchEngine: prompt of {len(prompt)} tokens leaves no room in max_model_len "
