@@ -1,7 +1,7 @@
 """Shared skeleton of the chunkwise linear-attention mixers (GDN, KDA), split into steps for tree execution.
 
 Legend: T tokens, D model dim, C conv channels (q|k|v), W conv width, N packed sequences, H query/key heads,
-HV value heads, K/V key/value head dims, R requested boundary states.
+HV value heads, K/V key/value head dims.
 
 Steps (1, 3 and 5 are pure functions of their row; 2 and 4 couple the rows of one packed sequence):
   1. `project(x)`        per-row projections: q|k|v before the conv, raw gate inputs            -> mixer's `Rows`
@@ -9,8 +9,8 @@ Steps (1, 3 and 5 are pure functions of their row; 2 and 4 couple the rows of on
                          per-sequence initial conv states                                     -> `[T, C]`
   3. `activate(rows, qkv_conv)`  per-row: split heads, L2-normalise q and k, activate the decay
                          g (log space, fp32) and beta (sigmoid)                                 -> `CoreInputs`
-  4. `core(inputs, ...)` chunkwise delta rule per packed sequence (models.ops), with initial states and
-                         requested chunk-boundary states passed through                         -> `[T, HV, V]`
+  4. `core(inputs, ...)` chunkwise delta rule per packed sequence (models.ops), with initial and
+                         final states passed through                                            -> `[T, HV, V]`
   5. `output(o, rows)`   per-row gated RMSNorm and output projection                            -> `[T, D]`
 """
 
@@ -89,32 +89,29 @@ class LinearAttention(nn.Module):
         self,
         inputs: CoreInputs,
         cu_seqlens: torch.Tensor,
+        cu_seqlens_cpu: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
-        state_seq: torch.Tensor | None = None,
-        state_chunk: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step 4: the chunkwise delta rule with chunk size `self.chunk_size` restarting at every sequence.
 
         Args:
             inputs: step-3 output.
-            cu_seqlens: LongTensor `[N+1]`.
+            cu_seqlens: LongTensor `[N+1]`; cu_seqlens_cpu: its host copy, optional (spares a host sync on CUDA).
             initial_state: `[N, HV, K, V]` fp32 state per sequence (differentiable), None = zeros.
             output_final_state: return the state after each sequence.
-            state_seq, state_chunk: LongTensor `[R]`, request the state of sequence `state_seq[r]` at the start of its
-                chunk `state_chunk[r]` (see `models.ops`).
-        Returns: (o `[T, HV, V]`, final state `[N, HV, K, V]` or None, boundary states `[R, HV, K, V]` or None).
+        Returns: (o `[T, HV, V]`, final state `[N, HV, K, V]` or None).
         """
-        o, final, boundary = self.core_op(
+        o, final = self.core_op(
             inputs.q[None], inputs.k[None], inputs.v[None], inputs.g[None], inputs.beta[None],
             scale=None, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, state_seq=state_seq, state_chunk=state_chunk,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=self.chunk_size,
         )
-        return o[0], final, boundary
+        return o[0], final
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Flat packed forward from zero states: steps 1-5."""
         rows = self.project(x_TD)
         qkv_TC, _ = self.conv(rows.qkv, cu_seqlens)
-        o, _, _ = self.core(self.activate(rows, qkv_TC), cu_seqlens)
+        o, _ = self.core(self.activate(rows, qkv_TC), cu_seqlens)
         return self.output(o, rows)

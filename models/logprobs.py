@@ -1,6 +1,7 @@
-"""Compact-to-semantic log-probabilities (HARTS §3.5).
+"""Compact-to-semantic log-probabilities (HARTS §3.5), on a whole or a vocabulary-sharded LM head.
 
-Legend: C compact rows, D model dim, V vocabulary, S semantic positions (original order).
+Legend: C compact rows, D model dim, V vocabulary (or this shard's part of it), S semantic positions (original order),
+U used rows (rows some position reads), P predicted positions, R rows of one chunk.
 
 A compact row's logits predict the next token of every semantic position mapped to it, and those targets may differ
 (at a fork). The vocabulary-wide log-sum-exp is computed once per compact row that some position reads, each target
@@ -8,23 +9,53 @@ logit is gathered per semantic position, and the result is returned in original 
 only for one chunk of rows at a time: forward keeps just one log-sum-exp per row, and backward recomputes each chunk's
 logits, so peak memory is O(chunk_rows x V), never S x V or C x V. Backward sums the contributions of every position
 into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a count.
+
+With the LM head split by vocabulary (`VocabShards`), each shard computes its [R, V] logits and only per-row scalars
+cross shards: the row maximum (max), the sums of exp(logit - max) and, for the entropy, of exp(logit - max) *
+(logit - max) (one sum), and per prediction its target logit (sum; zero on shards not holding the target). Backward
+needs no reduction: the LM-head gradient of a shard is its rows'; the hidden-state gradient is a sum over shards,
+which the caller applies (`parallel.collectives.copy_to_group`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["compact_logprobs", "naive_compact_logprobs"]
+__all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs"]
 
 #: Bytes of fp32 vocabulary-sized scratch (logits and probabilities of one chunk) when chunk_rows is not given.
 CHUNK_BUDGET_BYTES = 512 * 2**20
+
+
+class VocabShards:
+    """How the LM head's vocabulary is split over devices, and the reductions across the split.
+
+    This base class is the unsplit LM head: one shard holds the whole vocabulary, every target is local and both
+    reductions are the identity (no op runs). `parallel.vocab_parallel.GroupVocabShards` splits the vocabulary into
+    equal contiguous shards over a process group.
+    """
+
+    def vocab_size(self, shard_rows: int) -> int:
+        """Size of the whole vocabulary, given the `shard_rows` LM-head rows of this shard."""
+        return shard_rows
+
+    def local_targets(self, target_P: torch.Tensor, shard_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Global token ids [P] -> their rows in this shard's LM head [P] (some valid row for a target held
+        elsewhere), and a bool mask [P] of the targets this shard holds (None: all of them)."""
+        return target_P, None
+
+    def max_(self, x: torch.Tensor) -> None:
+        """Elementwise maximum of `x` over the shards, in place."""
+
+    def sum_(self, x: torch.Tensor) -> None:
+        """Elementwise sum of `x` over the shards, in place."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _validate(hidden_CD, weight_VD, logit_row_S, target_S):
+def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
     if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
         raise ValueError(
             f"`hidden` must be [C, D] and `weight` [V, D], got {tuple(hidden_CD.shape)} and {tuple(weight_VD.shape)}"
@@ -38,16 +69,16 @@ def _validate(hidden_CD, weight_VD, logit_row_S, target_S):
     valid = logit_row_S >= 0
     if valid.any():
         t = target_S[valid]
-        if int(t.min()) < 0 or int(t.max()) >= weight_VD.shape[0]:
+        if int(t.min()) < 0 or int(t.max()) >= vocab_size:
             raise ValueError(
-                f"`target` ids must lie in [0, {weight_VD.shape[0]}) (vocabulary size), "
+                f"`target` ids must lie in [0, {vocab_size}) (vocabulary size), "
                 f"got range [{int(t.min())}, {int(t.max())}]"
             )
 
 
 def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
     """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
-    _validate(hidden_CD, weight_VD, logit_row_S, target_S)
+    _validate(hidden_CD, weight_VD, logit_row_S, target_S, weight_VD.shape[0])
     logp_CV = torch.log_softmax((hidden_CD @ weight_VD.T).to(_compute_dtype(hidden_CD.dtype)), dim=-1)
     valid = logit_row_S >= 0
     rows = logit_row_S.clamp(min=0)
@@ -59,25 +90,40 @@ def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk
 
 
 class CompactLogprobsFunction(torch.autograd.Function):
-    """Chunked log-softmax gather over the used rows `rows_U`. Predictions are `pred_row_P` (index into rows_U)."""
+    """Chunked log-softmax gather over the used rows `rows_U` with this shard's LM head `weight_VD`. Predictions
+    are `pred_row_P` (index into rows_U) with targets `local_target_P` (rows of weight_VD), held by this shard where
+    `held_P` (None: all); `shards` reduces per-row and per-prediction scalars over the vocabulary shards."""
 
     @staticmethod
-    def forward(ctx, hidden_CD, weight_VD, rows_U, pred_row_P, target_P, chunk_rows, with_entropy):
+    def forward(ctx, hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, chunk_rows, with_entropy,
+                shards):
         cdt = _compute_dtype(hidden_CD.dtype)
         U = rows_U.numel()
         lse_U = torch.empty(U, dtype=cdt, device=hidden_CD.device)
         ent_U = torch.empty(U, dtype=cdt, device=hidden_CD.device) if with_entropy else None
         for a in range(0, U, chunk_rows):
             b = min(a + chunk_rows, U)
-            logits = (hidden_CD[rows_U[a:b]] @ weight_VD.T).to(cdt)
-            lse = torch.logsumexp(logits, dim=-1)
-            lse_U[a:b] = lse
+            logits_RV = (hidden_CD[rows_U[a:b]] @ weight_VD.T).to(cdt)
+            max_R = logits_RV.amax(dim=-1)
+            shards.max_(max_R)
+            shifted_RV = logits_RV.sub_(max_R[:, None])
+            exp_RV = shifted_RV.exp()
             if with_entropy:
-                logp = logits - lse[:, None]
-                ent_U[a:b] = -(logp.exp() * logp).sum(-1)
+                # Entropy = log Z - sum(e (l - max)) / Z: two non-negative terms, no cancellation.
+                sums = torch.stack([exp_RV.sum(-1), exp_RV.mul_(shifted_RV).sum(-1)])
+            else:
+                sums = exp_RV.sum(-1)[None]
+            shards.sum_(sums)
+            log_z_R = sums[0].log()
+            lse_U[a:b] = max_R + log_z_R
+            if with_entropy:
+                ent_U[a:b] = log_z_R - sums[1] / sums[0]
         # Target logits: one dot product per prediction, no vocabulary-sized tensor.
-        tgt_P = (hidden_CD[rows_U[pred_row_P]].to(cdt) * weight_VD[target_P].to(cdt)).sum(-1)
-        ctx.save_for_backward(hidden_CD, weight_VD, rows_U, pred_row_P, target_P, lse_U, ent_U)
+        tgt_P = (hidden_CD[rows_U[pred_row_P]].to(cdt) * weight_VD[local_target_P].to(cdt)).sum(-1)
+        if held_P is not None:
+            tgt_P = tgt_P.masked_fill(~held_P, 0)
+        shards.sum_(tgt_P)
+        ctx.save_for_backward(hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U)
         ctx.chunk_rows = chunk_rows
         ctx.with_entropy = with_entropy
         logprob_P = tgt_P - lse_U[pred_row_P]
@@ -87,7 +133,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogprob_P, dentropy_P=None):
-        hidden_CD, weight_VD, rows_U, pred_row_P, target_P, lse_U, ent_U = ctx.saved_tensors
+        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U = ctx.saved_tensors
         cdt = lse_U.dtype
         U = rows_U.numel()
         dlogprob_P = dlogprob_P.to(cdt)
@@ -96,6 +142,8 @@ class CompactLogprobsFunction(torch.autograd.Function):
         ge_U = None
         if ctx.with_entropy and dentropy_P is not None:
             ge_U = torch.zeros(U, dtype=cdt, device=lse_U.device).index_add_(0, pred_row_P, dentropy_P.to(cdt))
+        # The one-hot part: only targets this shard holds.
+        donehot_P = dlogprob_P if held_P is None else dlogprob_P.masked_fill(~held_P, 0)
         dhidden_CD = torch.zeros_like(hidden_CD) if ctx.needs_input_grad[0] else None
         dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device) if ctx.needs_input_grad[1] else None
         # Predictions sorted by row so each chunk finds its targets with one searchsorted.
@@ -113,7 +161,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
             if ge_U is not None:
                 dlogits -= ge_U[a:b, None] * p * (logp + ent_U[a:b, None])
             sel = order[bounds[i] : bounds[i + 1]]
-            dlogits.index_put_((pred_row_P[sel] - a, target_P[sel]), dlogprob_P[sel], accumulate=True)
+            dlogits.index_put_((pred_row_P[sel] - a, local_target_P[sel]), donehot_P[sel], accumulate=True)
             dlogits = dlogits.to(hidden_CD.dtype)
             if dhidden_CD is not None:
                 dhidden_CD.index_add_(0, rows_U[a:b], dlogits @ weight_VD)
@@ -121,7 +169,38 @@ class CompactLogprobsFunction(torch.autograd.Function):
                 dweight_VD += (dlogits.T @ h).to(cdt)
         if dweight_VD is not None:
             dweight_VD = dweight_VD.to(weight_VD.dtype)
-        return dhidden_CD, dweight_VD, None, None, None, None, None
+        return dhidden_CD, dweight_VD, None, None, None, None, None, None, None
+
+
+def sharded_compact_logprobs(
+    hidden_CD, weight_VD, logit_row_S, target_S, shards: VocabShards, *, chunk_rows=None, entropy=False
+):
+    """`compact_logprobs` with `weight_VD` this shard's LM-head rows of the split `shards` (targets are global ids;
+    the default `chunk_rows` budgets [rows, V] chunks of this shard). Every shard must make the call with the same
+    `hidden_CD`, `logit_row_S` and `target_S`; results are identical on all of them, and the gradient of
+    `hidden_CD` is this shard's part (the caller sums it over shards)."""
+    V = weight_VD.shape[0]
+    _validate(hidden_CD, weight_VD, logit_row_S, target_S, shards.vocab_size(V))
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_BUDGET_BYTES // (2 * 4 * V))
+    if chunk_rows < 1:
+        raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
+    cdt = _compute_dtype(hidden_CD.dtype)
+    valid = logit_row_S >= 0
+    rows_U, pred_row_P = torch.unique(logit_row_S[valid], return_inverse=True)
+    local_target_P, held_P = shards.local_targets(target_S[valid], V)
+    result = CompactLogprobsFunction.apply(
+        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, int(chunk_rows), bool(entropy), shards
+    )
+    outputs = result if entropy else (result,)
+    full = []
+    for values in outputs:
+        out = torch.zeros(logit_row_S.shape, dtype=cdt, device=hidden_CD.device)
+        full.append(out.masked_scatter(valid, values))
+    return tuple(full) if entropy else full[0]
+
+
+_WHOLE_VOCABULARY = VocabShards()
 
 
 def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
@@ -138,23 +217,8 @@ def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=
     Returns:
         logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested. Rows that no position reads are
         never multiplied by the LM head.
-    Reference: `naive_compact_logprobs` (same signature).
+    Reference: `naive_compact_logprobs` (same signature). Vocabulary-sharded LM head: `sharded_compact_logprobs`.
     """
-    _validate(hidden_CD, weight_VD, logit_row_S, target_S)
-    V = weight_VD.shape[0]
-    if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_BUDGET_BYTES // (2 * 4 * V))
-    if chunk_rows < 1:
-        raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
-    cdt = _compute_dtype(hidden_CD.dtype)
-    valid = logit_row_S >= 0
-    rows_U, pred_row_P = torch.unique(logit_row_S[valid], return_inverse=True)
-    result = CompactLogprobsFunction.apply(
-        hidden_CD, weight_VD, rows_U, pred_row_P, target_S[valid], int(chunk_rows), bool(entropy)
+    return sharded_compact_logprobs(
+        hidden_CD, weight_VD, logit_row_S, target_S, _WHOLE_VOCABULARY, chunk_rows=chunk_rows, entropy=entropy
     )
-    outputs = result if entropy else (result,)
-    full = []
-    for values in outputs:
-        out = torch.zeros(logit_row_S.shape, dtype=cdt, device=hidden_CD.device)
-        full.append(out.masked_scatter(valid, values))
-    return tuple(full) if entropy else full[0]

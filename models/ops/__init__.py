@@ -6,8 +6,9 @@ and an fla fast path with the same signature; the dispatchers pick fla for CUDA 
     models.ops.conv.short_conv   short causal conv        (naive_causal_conv1d / causal_conv1d)
     models.ops.norm.gated_rms_norm  gated RMSNorm         (naive_rms_norm_gated / rms_norm_gated)
 
-Delta-rule cores take packed sequences (`cu_seqlens`), one initial state per sequence, return final states and any
-requested chunk-boundary states (differentiable); the chunk partition is in `models.ops.delta_rule.partition`.
+Delta-rule cores take packed sequences (`cu_seqlens`), one initial state per sequence and return final states
+(differentiable); the chunk partition is in `models.ops.delta_rule.partition`. States at chunk boundaries inside a
+sequence come from cutting it there (`models.tree.core_calls`).
 fla is imported only when a fast path runs, so importing this package is cheap on CPU.
 """
 

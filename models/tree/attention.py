@@ -15,7 +15,7 @@ Projections, norms and RoPE run once per compact row before this; gathers scatte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -46,6 +46,22 @@ class TreeAttentionLayout:
     cu_kv: torch.Tensor
     max_q: int
     max_kv: int
+    _block_mask: object = field(default=None, init=False, repr=False)
+
+    def block_mask(self):
+        """FlexAttention BlockMask of the ancestor-or-self relation, built on first use and shared by every layer of
+        the microbatch and its recomputation (compiled on CUDA: it never materialises C x C)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            pre, end = self.pre, self.pre_end
+
+            def visible(b, h, q_idx, kv_idx):
+                return (pre[kv_idx] <= pre[q_idx]) & (pre[q_idx] < end[kv_idx])
+
+            C = pre.shape[0]
+            self._block_mask = create_block_mask(visible, None, None, C, C, device=pre.device, _compile=pre.is_cuda)
+        return self._block_mask
 
     def dense_mask(self) -> torch.Tensor:
         """Boolean [C, C]: visible[q, k]."""
@@ -75,16 +91,11 @@ _compiled_flex = None
 
 
 def _flex(q, k, v, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
-    pre, end = layout.pre, layout.pre_end
-
-    def visible(b, h, q_idx, kv_idx):
-        return (pre[kv_idx] <= pre[q_idx]) & (pre[q_idx] < end[kv_idx])
-
-    C, H = q.shape[:2]
-    block = create_block_mask(visible, None, None, C, C, device=q.device)
+    H = q.shape[1]
+    block = layout.block_mask()
     fn = flex_attention
     if q.is_cuda:
         if _compiled_flex is None:

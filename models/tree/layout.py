@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from models.tree.attention import TreeAttentionLayout
+from models.tree.core_calls import CoreCall, core_calls
 from planner.pack import CompactBatch
 
-__all__ = ["RoundTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
+__all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
 
 
 def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
@@ -89,23 +90,37 @@ def conv_context_rows(
     return out
 
 
-@dataclass
-class RoundTensors:
-    """One packed linear-attention call (planner.calls.RoundPlan on a device)."""
+def _rows(index: np.ndarray, device) -> torch.Tensor | slice:
+    """An index array as a slice when it is one contiguous increasing range (indexing with it is then a view)."""
+    if index.size and np.array_equal(index, np.arange(index[0], index[0] + index.size)):
+        return slice(int(index[0]), int(index[0]) + index.size)
+    return torch.as_tensor(np.ascontiguousarray(index), dtype=torch.int64, device=device)
 
-    gather: torch.Tensor
-    """[T_r] physical rows fed to the core (replay rows, then own rows, per sequence)."""
+
+@dataclass
+class CoreCallTensors:
+    """One linear-attention kernel call (`models.tree.core_calls.CoreCall`) on a device."""
+
+    gather: torch.Tensor | slice
+    """[T_k] physical rows fed to the kernel (a slice when contiguous)."""
     cu_seqlens: torch.Tensor
-    """[N_r+1] sequence boundaries in `gather`."""
-    output_pos: torch.Tensor
-    """[own rows of the round] positions in `gather` whose outputs are kept (the non-replay rows), in physical order."""
-    init_state: torch.Tensor
-    """[N_r] global number of each sequence's initial state, -1 = zeros."""
-    all_zero_init: bool
-    """True when every sequence starts from zeros (known on the host: no device sync per round)."""
-    state_seq: torch.Tensor | None
-    state_chunk: torch.Tensor | None
-    """[R_r] requested boundary states (None when the round requests none)."""
+    cu_seqlens_cpu: torch.Tensor
+    """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
+    init_state: torch.Tensor | None
+    """[N_k] state-table index of each piece's initial state; None when every piece starts from zeros."""
+    output_pos: torch.Tensor | slice
+    """Positions in `gather` whose outputs are kept (the non-replay rows)."""
+
+    @staticmethod
+    def build(call: CoreCall, device) -> "CoreCallTensors":
+        cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
+        return CoreCallTensors(
+            gather=_rows(call.gather, device),
+            cu_seqlens=cu.to(device),
+            cu_seqlens_cpu=cu,
+            init_state=None if not call.init_state.any() else torch.as_tensor(call.init_state, device=device),
+            output_pos=_rows(call.output_pos, device),
+        )
 
 
 @dataclass
@@ -117,7 +132,8 @@ class TreeLayout:
     row_weight [C]: multiplicity q of each row (MoE statistics weights).
     seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
     conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
-    rounds: the linear-attention calls, in order.
+    linear_calls, linear_order: the linear-attention kernel calls in order, and the permutation [C] from their
+        concatenated kept outputs to physical order (None: already in order).
     attention: full-attention visibility and branch views.
     logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
     """
@@ -127,12 +143,12 @@ class TreeLayout:
     row_weight: torch.Tensor
     seq_cu: torch.Tensor
     conv_context: torch.Tensor
-    rounds: list[RoundTensors]
+    linear_calls: list[CoreCallTensors]
+    linear_order: torch.Tensor | None
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
     target: torch.Tensor
     chunk_size: int
-    num_states: int
 
     @staticmethod
     def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
@@ -140,20 +156,7 @@ class TreeLayout:
         p2c = plan.physical_to_compact
         c2p = plan.compact_to_physical
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
-        rounds = []
-        for rd in plan.rounds:
-            has_states = rd.state_seq.size > 0
-            rounds.append(
-                RoundTensors(
-                    gather=as_t(rd.gather),
-                    cu_seqlens=as_t(rd.cu_seqlens),
-                    output_pos=as_t(np.flatnonzero(rd.is_output)),
-                    init_state=as_t(rd.init_state),
-                    all_zero_init=bool((rd.init_state < 0).all()),
-                    state_seq=as_t(rd.state_seq) if has_states else None,
-                    state_chunk=as_t(rd.state_chunk) if has_states else None,
-                )
-            )
+        calls, order = core_calls(plan)
         logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)
         return TreeLayout(
             tokens=as_t(batch.tokens[p2c]),
@@ -161,10 +164,10 @@ class TreeLayout:
             row_weight=torch.as_tensor(batch.multiplicity[p2c], dtype=torch.float64, device=device),
             seq_cu=as_t(plan.seq_row_offsets),
             conv_context=as_t(conv_context_rows(batch, p2c, plan.seq_row_offsets, conv_size)),
-            rounds=rounds,
+            linear_calls=[CoreCallTensors.build(c, device) for c in calls],
+            linear_order=None if order is None else as_t(order),
             attention=build_attention_layout(batch, p2c, plan.seq_row_offsets, device),
             logit_row=as_t(logit_row),
             target=as_t(batch.sem_tokens),
             chunk_size=plan.chunk_size,
-            num_states=plan.num_states,
         )

@@ -8,9 +8,9 @@ rows follows the tree:
 - full attention: a row sees its path ancestors and itself (`models.tree.attention`), RoPE at original positions;
 - the short conv: each input sequence starts from the W-1 rows preceding it on its own path (never a packing
   neighbour), gathered as the conv's initial state;
-- the linear-attention core: one packed call per round of the plan; side branches start from chunk-boundary states
-  requested from earlier rounds and replay [floor(p/B)*B, p) of already-activated ancestor rows (state updates only);
-  the states are tensors in the graph, so every consumer's gradient reaches their producer.
+- the linear-attention core: the plan's rounds as kernel calls (`models.tree.core_calls`); side branches start from
+  chunk-boundary states produced by earlier calls and replay [floor(p/B)*B, p) of already-activated ancestor rows
+  (state updates only); the states are tensors in the graph, so every consumer's gradient reaches their producer.
 `TreeContext` is what `models.decoder.DecoderLayer` asks to mix (the tree counterpart of `FlatContext`).
 """
 
@@ -37,25 +37,22 @@ def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.T
 
 
 def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
-    """Run the core over the plan's rounds; returns o [C, HV, V] in physical order (replay outputs dropped)."""
+    """Run the core as the layout's kernel calls; returns o [C, HV, V] in physical order (replay outputs dropped).
+
+    Each call's pieces start from states of the table (zeros, then every call's final states in order, see
+    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer."""
     state_dtype = torch.float64 if inputs.v.dtype == torch.float64 else torch.float32
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
-    zero = inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)
-    produced: list[torch.Tensor] = []
+    table = [inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)]
     outputs = []
-    for rd in layout.rounds:
-        if rd.all_zero_init:
-            h0 = None
-        else:
-            h0 = torch.cat([zero, *produced])[rd.init_state + 1]
-        gathered = CoreInputs(*(t[rd.gather] for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)))
-        o, _, states = mixer.core(
-            gathered, rd.cu_seqlens, initial_state=h0, state_seq=rd.state_seq, state_chunk=rd.state_chunk
-        )
-        outputs.append(o[rd.output_pos])
-        if states is not None:
-            produced.append(states.to(state_dtype))
-    return torch.cat(outputs)
+    for call in layout.linear_calls:
+        h0 = None if call.init_state is None else torch.cat(table)[call.init_state]
+        gathered = CoreInputs(*(t[call.gather] for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)))
+        o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
+        outputs.append(o[call.output_pos])
+        table.append(final.to(state_dtype))
+    o = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return o if layout.linear_order is None else o[layout.linear_order]
 
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:

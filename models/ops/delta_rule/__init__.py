@@ -1,1 +1,1 @@
-"""Shared machinery of the delta-rule cores (KDA, GDN): chunk partition, chunkwise reference, boundary-state rounds."""
+"""Shared machinery of the delta-rule cores (KDA, GDN): chunk partition, argument checks, chunkwise reference."""

@@ -1,7 +1,7 @@
 """Plain-torch chunkwise gated delta rule with per-sequence states: the reference behind KDA and GDN.
 
 Legend: N sequences, T tokens, L rows of one chunk (<= chunk_size), H query/key heads, HV value heads,
-K/V key/value head dims, R requested states.
+K/V key/value head dims.
 
 Recurrence per value head (q pre-scaled, G = HV / H query/key heads shared by each group of value heads):
     S_t = diag(exp(g_t)) S_{t-1};  S_t += beta_t k_t (v_t - k_t^T S_t)^T;  o_t = S_t^T q_t
@@ -16,12 +16,7 @@ sequences, which would make the float ops depend on the batch.
 
 import torch
 
-from models.ops.delta_rule.partition import (
-    ChunkPartition,
-    check_delta_rule_shapes,
-    check_state_requests,
-    make_partition,
-)
+from models.ops.delta_rule.partition import check_delta_rule_shapes, make_partition
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -90,16 +85,14 @@ def naive_chunk_delta_rule(
     initial_state: torch.Tensor | None,
     output_final_state: bool,
     cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
     chunk_size: int,
-    state_seq: torch.Tensor | None,
-    state_chunk: torch.Tensor | None,
     per_channel_gate: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared body of `naive_chunk_kda` (per_channel_gate=True) and `naive_chunk_gdn`; see those for the arguments."""
     B, T, H, K = q.shape
-    partition = make_partition(B, T, cu_seqlens, chunk_size)
+    partition = make_partition(B, T, cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, chunk_size)
     check_delta_rule_shapes(q, k, v, g, beta, initial_state, partition.num_seqs, per_channel_gate)
-    requests = check_state_requests(partition, state_seq, state_chunk)
     HV, V = v.shape[2], v.shape[3]
     dtype = compute_dtype(q, k, v, g, beta)
     if scale is None:
@@ -111,24 +104,21 @@ def naive_chunk_delta_rule(
     v_all, g_all, beta_all = v.to(dtype), g.to(dtype), beta.to(dtype)
 
     o_rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    states: list[list[torch.Tensor]] = []
+    states: list[torch.Tensor] = []
     for i in range(partition.num_seqs):
         b = partition.batch_row[i]
         if initial_state is None:
             state = q_all.new_zeros(HV, K, V)
         else:
             state = initial_state[i].to(dtype)
-        seq_states = [state]
         for c in range(partition.num_chunks(i)):
             start, end = partition.chunk_bounds(i, c)
             o_HLV, state = delta_rule_chunk(
                 *(_chunk_rows(x[b], start, end) for x in (q_all, k_all, v_all, g_all, beta_all)), state
             )
             o_rows[b].append(o_HLV.transpose(0, 1))
-            seq_states.append(state)
-        states.append(seq_states)
+        states.append(state)
 
     o = torch.stack([torch.cat(rows, dim=0) if rows else v_all.new_zeros(0, HV, V) for rows in o_rows]).to(v.dtype)
-    final_state = torch.stack([s[-1] for s in states]) if output_final_state else None
-    boundary_states = torch.stack([states[i][c] for i, c in requests]) if requests else None
-    return o, final_state, boundary_states
+    final_state = torch.stack(states) if output_final_state else None
+    return o, final_state

@@ -1,13 +1,11 @@
 """The explicit chunk partition of a (packed) delta-rule call, and the checks every delta-rule op shares.
 
-Legend: N packed sequences, T tokens, H query/key heads, HV value heads, K/V key/value head dims, R requested states.
+Legend: N packed sequences, T tokens, H query/key heads, HV value heads, K/V key/value head dims.
 
 Sequences come either from a batch (`cu_seqlens is None`: row b of `[B, T, ...]` is sequence b) or from packing
 (`cu_seqlens` LongTensor `[N+1]`, B must be 1: sequence i is tokens `[cu_seqlens[i], cu_seqlens[i+1])`).
 Chunk c of sequence i is tokens `[bos_i + c*chunk_size, min(bos_i + (c+1)*chunk_size, eos_i))`: chunks restart at every
 sequence start and the last chunk of a sequence may be partial. This is fla's partition (`prepare_chunk_indices`).
-The state "at chunk c" of sequence i is the state before the first token of chunk c: c = 0 is the initial state,
-c = num_chunks(i) the final state.
 """
 
 from dataclasses import dataclass
@@ -61,34 +59,6 @@ def make_partition(batch: int, tokens: int, cu_seqlens: torch.Tensor | None, chu
     return ChunkPartition((0,) * n, tuple(bounds[:-1]), tuple(bounds[1:]), chunk_size)
 
 
-def check_state_requests(
-    partition: ChunkPartition, state_seq: torch.Tensor | None, state_chunk: torch.Tensor | None
-) -> list[tuple[int, int]]:
-    """Return the requested `(sequence, chunk)` pairs; `chunk` may be 0 .. num_chunks(sequence) inclusive."""
-    if (state_seq is None) != (state_chunk is None):
-        raise ValueError("`state_seq` and `state_chunk` must be given together (LongTensor [R] each) or both be None")
-    if state_seq is None:
-        return []
-    for name, t in (("state_seq", state_seq), ("state_chunk", state_chunk)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor [R]")
-    if state_seq.shape != state_chunk.shape:
-        raise ValueError(
-            f"`state_seq` {tuple(state_seq.shape)} and `state_chunk` {tuple(state_chunk.shape)} "
-            "must have the same shape [R]"
-        )
-    requests = list(zip(state_seq.tolist(), state_chunk.tolist()))
-    for r, (i, c) in enumerate(requests):
-        if not 0 <= i < partition.num_seqs:
-            raise ValueError(f"`state_seq[{r}]` = {i} is out of range: there are {partition.num_seqs} sequences")
-        if not 0 <= c <= partition.num_chunks(i):
-            raise ValueError(
-                f"`state_chunk[{r}]` = {c} is out of range for sequence {i} with {partition.num_chunks(i)} chunks "
-                f"(valid: 0 = initial state .. {partition.num_chunks(i)} = final state)"
-            )
-    return requests
-
-
 def check_delta_rule_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -120,3 +90,23 @@ def check_delta_rule_shapes(
         raise ValueError(
             f"`initial_state` must have shape {[num_seqs, HV, K, V]} (N = sequences), got {tuple(initial_state.shape)}"
         )
+
+
+def check_fla_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+    per_channel_gate: bool,
+) -> None:
+    """The checks of a fast-path delta-rule call that need no host synchronisation (shapes, not offsets)."""
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"with `cu_seqlens` the batch size must be 1 (pack sequences along T), got B={q.shape[0]}")
+    if cu_seqlens_cpu is not None and (cu_seqlens is None or cu_seqlens_cpu.shape != cu_seqlens.shape):
+        raise ValueError("`cu_seqlens_cpu` must be the host copy of `cu_seqlens` (same shape [N+1])")
+    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    check_delta_rule_shapes(q, k, v, g, beta, initial_state, num_seqs, per_channel_gate)

@@ -1,25 +1,41 @@
 """fla fast path for the GDN core (CUDA): `fla.ops.gated_delta_rule.chunk_gated_delta_rule` with the plain
-delta-rule flags, plus boundary states.
+delta-rule flags.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
-R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims.
 Reference with the same signature: `models.ops.gdn.naive.naive_chunk_gdn`.
 Note (fla.md section 3): fla's GDN backward raises on Hopper with triton >= 3.4, < 3.7.1 unless `tilelang` is installed.
 """
 
 import torch
 
-from models.ops.delta_rule.rounds import chunk_delta_rule_in_rounds
+from models.ops.delta_rule.partition import check_fla_call
 
 FLA_GDN_CHUNK_SIZES = (16, 32, 64)
 
 
-def fla_gdn_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size):
-    """One `chunk_gated_delta_rule` call (imported here: importing fla.ops takes seconds); in-kernel activations off,
-    K-first states `[N, HV, K, V]` in fp32."""
+def chunk_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GDN core on fla's Triton kernels; arguments and returns as `naive_chunk_gdn` (chunk_size 16, 32 or 64).
+
+    In-kernel activations off, K-first fp32 states `[N, HV, K, V]`; fla is imported here (slow import).
+    """
+    if chunk_size not in FLA_GDN_CHUNK_SIZES:
+        raise ValueError(f"`chunk_size` must be one of {FLA_GDN_CHUNK_SIZES} on the fla GDN path, got {chunk_size!r}")
+    check_fla_call(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, per_channel_gate=False)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(
+    o, final_state = chunk_gated_delta_rule(
         q,
         k,
         v,
@@ -35,41 +51,4 @@ def fla_gdn_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, c
         cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_size=chunk_size,
     )
-
-
-def chunk_gdn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    state_seq: torch.Tensor | None = None,
-    state_chunk: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """GDN core on fla's Triton kernels; arguments and returns as `naive_chunk_gdn` (chunk_size 16, 32 or 64).
-
-    Boundary states as in `models.ops.kda.chunk.chunk_kda` (rounds of kernel calls, fp32 states, exact gradients).
-    """
-    if chunk_size not in FLA_GDN_CHUNK_SIZES:
-        raise ValueError(f"`chunk_size` must be one of {FLA_GDN_CHUNK_SIZES} on the fla GDN path, got {chunk_size!r}")
-    return chunk_delta_rule_in_rounds(
-        fla_gdn_kernel,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        chunk_size,
-        state_seq,
-        state_chunk,
-        per_channel_gate=False,
-    )
+    return o.to(v.dtype), final_state

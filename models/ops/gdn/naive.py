@@ -1,7 +1,6 @@
 """Plain-torch reference for Gated DeltaNet (GDN): per-head scalar gated delta rule, chunkwise, packed.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
-R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims.
 """
 
 import torch
@@ -19,16 +18,14 @@ def naive_chunk_gdn(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
-    state_seq: torch.Tensor | None = None,
-    state_chunk: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN core: as `models.ops.kda.naive.naive_chunk_kda` but with one log decay per value head and token,
     g `[B, T, HV]`. Matches `fla.ops.gated_delta_rule.naive_recurrent_gated_delta_rule` mathematically
     (which takes `beta` before `g`).
 
-    Returns (o `[B, T, HV, V]` in v.dtype, final_state `[N, HV, K, V]` fp32 or None,
-    boundary_states `[R, HV, K, V]` fp32 or None).
+    Returns (o `[B, T, HV, V]` in v.dtype, final_state `[N, HV, K, V]` fp32 or None).
     """
     return naive_chunk_delta_rule(
         q,
@@ -40,8 +37,7 @@ def naive_chunk_gdn(
         initial_state,
         output_final_state,
         cu_seqlens,
+        cu_seqlens_cpu,
         chunk_size,
-        state_seq,
-        state_chunk,
         per_channel_gate=False,
     )

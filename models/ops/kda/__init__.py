@@ -15,15 +15,12 @@ def kda_core(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
+    cu_seqlens_cpu=None,
     chunk_size=64,
-    state_seq=None,
-    state_chunk=None,
 ):
     """Signature and returns of `models.ops.kda.naive.naive_chunk_kda`."""
     op = chunk_kda if use_fla(v) else naive_chunk_kda
-    return op(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, state_seq, state_chunk
-    )
+    return op(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size)
 
 
 __all__ = ["chunk_kda", "kda_core", "naive_chunk_kda"]

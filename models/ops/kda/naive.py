@@ -1,7 +1,6 @@
 """Plain-torch reference for Kimi Delta Attention (KDA): per-channel gated delta rule, chunkwise, packed.
 
-Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims,
-R requested states.
+Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims.
 """
 
 import torch
@@ -19,10 +18,9 @@ def naive_chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
-    state_seq: torch.Tensor | None = None,
-    state_chunk: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA core: the delta-rule recurrence only (gates, beta and q/k normalisation are the caller's).
 
     Args:
@@ -34,14 +32,12 @@ def naive_chunk_kda(
         initial_state: `[N, HV, K, V]` state per sequence (any float dtype, differentiable); None = zeros.
         output_final_state: return the state after each sequence.
         cu_seqlens: LongTensor `[N+1]` packing N sequences along T (B must be 1); None = each batch row is a sequence.
+        cu_seqlens_cpu: the same offsets on the host, optional (spares a device-to-host copy).
         chunk_size: chunk length B; chunk c of sequence i is tokens `[bos_i + c*B, min(bos_i + (c+1)*B, eos_i))`.
-        state_seq, state_chunk: LongTensor `[R]`: request the state of sequence `state_seq[r]` at the start of its chunk
-            `state_chunk[r]` (0 = initial state, number of chunks = final state).
 
     Returns:
         o: `[B, T, HV, V]` in v.dtype.
         final_state: `[N, HV, K, V]` fp32 (float64 for float64 inputs), or None.
-        boundary_states: `[R, HV, K, V]` fp32 (float64 for float64 inputs) in the autograd graph, or None if R = 0.
 
     Computed in fp32 (float64 for float64 inputs), chunk by chunk; see `models.ops.delta_rule.naive` for the
     exactness contract. Matches `fla.ops.kda.naive.naive_recurrent_kda` / `naive_chunk_kda` mathematically.
@@ -56,8 +52,7 @@ def naive_chunk_kda(
         initial_state,
         output_final_state,
         cu_seqlens,
+        cu_seqlens_cpu,
         chunk_size,
-        state_seq,
-        state_chunk,
         per_channel_gate=True,
     )

@@ -1,5 +1,5 @@
-"""fla fast paths (CUDA only) against the plain-torch references: KDA/GDN cores with packed sequences, initial,
-final and boundary states and all gradients; short conv; gated RMSNorm.
+"""fla fast paths (CUDA only) against the plain-torch references: KDA/GDN cores with packed sequences, initial and
+final states and all gradients, bitwise cut-and-chain; short conv; gated RMSNorm.
 
 Tolerances (relative RMS error): bf16 kernel vs fp32 reference 1e-2 for outputs and states, 2e-2 for gradients;
 fp32 conv/norm kernels 1e-5.
@@ -21,7 +21,7 @@ pytestmark = [
 
 CORES = {"kda": (chunk_kda, naive_chunk_kda, True), "gdn": (chunk_gdn, naive_chunk_gdn, False)}
 LENGTHS = [100, 64, 37, 200]
-REQUESTS = [(0, 1), (3, 1), (3, 2), (1, 0), (2, 1), (3, 4), (3, 2)]
+CUT = 64  # the chunk boundary where `test_fla_split_keeps_forward_bitwise` cuts sequences 0 and 3
 
 
 def relative_error(actual, expected):
@@ -37,33 +37,30 @@ def cuda_inputs(per_channel_gate, dtype):
     return out, cu_seqlens
 
 
-def run_with_grads(op, x, cu_seqlens, requests):
+def run_with_grads(op, x, cu_seqlens):
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    state_seq, state_chunk = (torch.tensor(c, device="cuda") for c in zip(*requests)) if requests else (None, None)
-    o, final, boundary = op(
+    o, final = op(
         *(x[n] for n in names[:5]),
         initial_state=x["initial_state"],
         output_final_state=True,
         cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens.cpu(),
         chunk_size=64,
-        state_seq=state_seq,
-        state_chunk=state_chunk,
     )
     gen = torch.Generator(device="cuda").manual_seed(7)
-    outputs = [t for t in (o, final, boundary) if t is not None]
-    loss = sum((t.float() * torch.randn(t.shape, generator=gen, device="cuda")).sum() for t in outputs)
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen, device="cuda")).sum() for t in (o, final))
     grads = torch.autograd.grad(loss, [x[n] for n in names])
-    return (o, final, boundary), dict(zip(names, grads))
+    return (o, final), dict(zip(names, grads))
 
 
 @pytest.mark.parametrize("core", CORES)
 def test_fla_core_matches_reference(core):
     fast, naive, per_channel = CORES[core]
     x, cu_seqlens = cuda_inputs(per_channel, torch.bfloat16)
-    (o, final, boundary), grads = run_with_grads(fast, x, cu_seqlens, REQUESTS)
-    (o_ref, final_ref, boundary_ref), grads_ref = run_with_grads(naive, x, cu_seqlens, REQUESTS)
-    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32 and boundary.dtype == torch.float32
-    for name, a, b in (("o", o, o_ref), ("final_state", final, final_ref), ("boundary_states", boundary, boundary_ref)):
+    (o, final), grads = run_with_grads(fast, x, cu_seqlens)
+    (o_ref, final_ref), grads_ref = run_with_grads(naive, x, cu_seqlens)
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+    for name, a, b in (("o", o, o_ref), ("final_state", final, final_ref)):
         assert relative_error(a, b) < 1e-2, f"{core} {name}: relative error {relative_error(a, b):.2e}"
     for name in grads:
         err = relative_error(grads[name], grads_ref[name])
@@ -71,16 +68,37 @@ def test_fla_core_matches_reference(core):
 
 
 @pytest.mark.parametrize("core", CORES)
-def test_fla_rounds_keep_forward_bitwise(core):
-    """Cutting at chunk boundaries and chaining fp32 final states should not change a bit of the forward: the state
-    kernel carries the same fp32 state across the cut (expected from fla's kernel structure, checked here)."""
+def test_fla_split_keeps_forward_bitwise(core):
+    """Cutting sequences at a chunk boundary and chaining the fp32 final state (what tree execution does for
+    boundary states, `models.tree.core_calls`) should not change a bit of the forward: the state kernel carries the
+    same fp32 state across the cut (expected from fla's kernel structure, checked here)."""
     fast, _, per_channel = CORES[core]
     x, cu_seqlens = cuda_inputs(per_channel, torch.bfloat16)
-    (o, final, _), grads = run_with_grads(fast, x, cu_seqlens, REQUESTS)
-    (o_one, final_one, _), grads_one = run_with_grads(fast, x, cu_seqlens, [])
-    assert torch.equal(o, o_one), (
-        f"{core}: o differs, max abs diff {(o.float() - o_one.float()).abs().max().item():.3e}"
-    )
+    names = ("q", "k", "v", "g", "beta")
+    with torch.no_grad():
+        o_one, final_one = fast(
+            *(x[n] for n in names), initial_state=x["initial_state"], output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=64,
+        )
+        starts = cu_seqlens.tolist()
+        heads = [(starts[0], starts[0] + CUT), (starts[3], starts[3] + CUT)]
+        rows = torch.cat([torch.arange(a, b) for a, b in heads]).cuda()
+        cu_head = torch.tensor([0, CUT, 2 * CUT], device="cuda")
+        o_head, state = fast(
+            *(x[n][:, rows] for n in names), initial_state=x["initial_state"][[0, 3]], output_final_state=True,
+            cu_seqlens=cu_head, chunk_size=64,
+        )
+        tails = [(starts[0] + CUT, starts[1]), (starts[1], starts[2]), (starts[2], starts[3]), (starts[3] + CUT, starts[4])]
+        rows_t = torch.cat([torch.arange(a, b) for a, b in tails]).cuda()
+        cu_tail = torch.tensor([0, *torch.tensor([b - a for a, b in tails]).cumsum(0).tolist()], device="cuda")
+        h0 = torch.stack([state[0], x["initial_state"][1], x["initial_state"][2], state[1]])
+        o_tail, final = fast(
+            *(x[n][:, rows_t] for n in names), initial_state=h0, output_final_state=True, cu_seqlens=cu_tail,
+            chunk_size=64,
+        )
+    o = torch.empty_like(o_one)
+    o[:, rows], o[:, rows_t] = o_head, o_tail
+    assert torch.equal(o, o_one), f"{core}: o differs, max abs diff {(o.float() - o_one.float()).abs().max().item():.3e}"
     assert torch.equal(final, final_one), f"{core}: final states differ"
 
 

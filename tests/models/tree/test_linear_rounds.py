@@ -44,7 +44,7 @@ def per_trajectory(mixer, inputs_c, batch):
     for i in range(batch.num_trajectories):
         rows = torch.as_tensor(batch.sem_to_compact[batch.traj_offsets[i] : batch.traj_offsets[i + 1]])
         sub = CoreInputs(*(t[rows] for t in (inputs_c.q, inputs_c.k, inputs_c.v, inputs_c.g, inputs_c.beta)))
-        o, _, _ = mixer.core(sub, torch.tensor([0, rows.numel()]))
+        o, _ = mixer.core(sub, torch.tensor([0, rows.numel()]))
         outs[int(rows[-1])] = o
     return outs
 

@@ -1,0 +1,102 @@
+"""The plan's linear-attention rounds as kernel calls that need only initial and final states (host side, numpy).
+
+Legend: C compact rows (physical order), T_k core-input rows of call k, N_k sequences of call k, M states in the table.
+
+A round of `planner.calls` is one packed call that also returns intermediate chunk-boundary states (the starts of
+side branches). Chunk kernels such as fla's return only each sequence's final state. The requested states are
+chunk-aligned, so cutting a sequence at its requested chunk starts leaves its chunk list unchanged: piece j covers
+whole chunks, starts from the final state of piece j-1, and its own final state is the state at the next cut.
+Call j of a round packs piece j of every sequence that has one. Exact, fp32 states, gradients through the kernel's
+own initial/final-state support; cost: 1 + (most cuts in one sequence) calls for the round instead of one.
+
+States live in one table, in the order they are produced: entry 0 is the zero state, then the final states of call 0
+(one per sequence), of call 1, ... A call names its sequences' initial states by table index. Everything here is
+computed once per microbatch, so running a layer needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.calls import ExecutionPlan, RoundPlan
+
+__all__ = ["CoreCall", "core_calls"]
+
+
+@dataclass(eq=False)
+class CoreCall:
+    """One packed kernel call (all int64 arrays).
+
+    gather [T_k]: physical rows fed to the kernel (replay rows, then own rows, per sequence piece).
+    cu_seqlens [N_k+1]: piece boundaries in `gather`.
+    init_state [N_k]: table index of each piece's initial state (0 = zeros).
+    output_pos [O_k]: positions in `gather` whose outputs are kept (non-replay rows).
+    """
+
+    gather: np.ndarray
+    cu_seqlens: np.ndarray
+    init_state: np.ndarray
+    output_pos: np.ndarray
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.size - 1)
+
+
+def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], state_base: int, table_size: int):
+    """Split one round; returns its calls and the new table size, and fills `table_of_global` for the round's
+    requested states (global numbers state_base + r)."""
+    cu = rd.cu_seqlens
+    n_seq = cu.size - 1
+    lengths = np.diff(cu)
+    num_chunks = -(-lengths // chunk)
+    cuts = [[] for _ in range(n_seq)]
+    for s, c in zip(rd.state_seq.tolist(), rd.state_chunk.tolist()):
+        if 0 < c < num_chunks[s]:
+            cuts[s].append(c)
+    edges = [[0, *(c * chunk for c in sorted(set(cs))), int(lengths[s])] for s, cs in enumerate(cuts)]
+    # State of sequence s at its chunk c, as a table index (filled as the pieces are assigned to calls).
+    state_at = [{0: table_of_global[int(rd.init_state[s])] if rd.init_state[s] >= 0 else 0} for s in range(n_seq)]
+    calls = []
+    for j in range(max(len(e) - 1 for e in edges)):
+        seqs = [s for s in range(n_seq) if len(edges[s]) - 1 > j]
+        pieces = [np.arange(cu[s] + edges[s][j], cu[s] + edges[s][j + 1]) for s in seqs]
+        positions = np.concatenate(pieces)
+        out = rd.is_output[positions]
+        calls.append(
+            CoreCall(
+                gather=rd.gather[positions],
+                cu_seqlens=np.concatenate([[0], np.cumsum([p.size for p in pieces])]).astype(np.int64),
+                init_state=np.array([state_at[s][edges[s][j] // chunk] for s in seqs], dtype=np.int64),
+                output_pos=np.flatnonzero(out).astype(np.int64),
+            )
+        )
+        for n, s in enumerate(seqs):
+            end = edges[s][j + 1]
+            state_at[s][-(-end // chunk)] = table_size + n
+        table_size += len(seqs)
+    for r, (s, c) in enumerate(zip(rd.state_seq.tolist(), rd.state_chunk.tolist())):
+        table_of_global[state_base + r] = state_at[s][c]
+    return calls, table_size
+
+
+def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray | None]:
+    """All kernel calls of the plan, in order, and the permutation [C] that puts the concatenated kept outputs of
+    the calls into physical order (None when they already are: no round was split)."""
+    table_of_global: dict[int, int] = {}
+    table_size = 1
+    calls: list[CoreCall] = []
+    for r, rd in enumerate(plan.rounds):
+        round_calls, table_size = _round_calls(
+            rd, plan.chunk_size, table_of_global, int(plan.state_offsets[r]), table_size
+        )
+        calls.extend(round_calls)
+    rows = np.concatenate([c.gather[c.output_pos] for c in calls]) if calls else np.zeros(0, np.int64)
+    assert np.array_equal(np.sort(rows), np.arange(rows.size)), "calls must output every physical row once"
+    if np.array_equal(rows, np.arange(rows.size)):
+        return calls, None
+    order = np.empty_like(rows)
+    order[rows] = np.arange(rows.size)
+    return calls, order
