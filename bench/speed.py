@@ -167,6 +167,8 @@ def run_workload(name, trajectories, model, args, device) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         per_mb[mode] = (times, extra)
         results[mode] = {"seconds": sum(times), "microbatches": len(times), "peak_gib": peak}
+        print(f"{name} {mode}: {len(times)} microbatches, {sum(times):.2f} s "
+              f"({', '.join(f'{t:.2f}' for t in times)})", file=sys.stderr, flush=True)
 
     flops_token = 6 * active_params(model)
     peak_flops = PEAK_FLOPS.get(device.type)

@@ -10,6 +10,7 @@ the plain-torch reference) and is matched by type to a fast kernel in `attention
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -38,6 +39,11 @@ class VarlenCausalMask:
 
     cu_seqlens: torch.Tensor
     """LongTensor `[N+1]`, sequence i is rows `[cu_seqlens[i], cu_seqlens[i+1])`."""
+
+    @functools.cached_property
+    def max_len(self) -> int:
+        """Longest sequence (one host sync, on first use; every layer then reuses it)."""
+        return int(self.cu_seqlens.diff().max())
 
     def dense(self) -> torch.Tensor:
         """Boolean `[T, T]`."""
@@ -102,6 +108,6 @@ def attention(
         and q_QHK.is_cuda
         and q_QHK.dtype in (torch.bfloat16, torch.float16)
     ):
-        max_len = int(mask.cu_seqlens.diff().max())
+        max_len = mask.max_len
         return varlen_flash_causal(q_QHK, k_SGK, v_SGV, mask.cu_seqlens, mask.cu_seqlens, max_len, max_len, scale)
     return naive_attention(q_QHK, k_SGK, v_SGV, mask.dense(), scale)

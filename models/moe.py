@@ -157,7 +157,9 @@ class Experts(nn.Module):
         T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        counts_E = torch.bincount(flat_expert, minlength=self.gate_up_proj.shape[0])
+        # Counts from the sorted ids (torch.bincount would synchronise with the host on CUDA).
+        bounds = torch.arange(self.gate_up_proj.shape[0] + 1, device=flat_expert.device)
+        counts_E = torch.searchsorted(flat_expert[order], bounds).diff()
         y_MD = expert_swiglu(x_TD[order // k], self.gate_up_proj, self.down_proj, counts_E)
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
