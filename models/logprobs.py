@@ -145,7 +145,9 @@ class CompactLogprobsFunction(torch.autograd.Function):
         # The one-hot part: only targets this shard holds.
         donehot_P = dlogprob_P if held_P is None else dlogprob_P.masked_fill(~held_P, 0)
         dhidden_CD = torch.zeros_like(hidden_CD) if ctx.needs_input_grad[0] else None
-        dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device) if ctx.needs_input_grad[1] else None
+        dweight_VD = None
+        if ctx.needs_input_grad[1]:
+            dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device)
         # Predictions sorted by row so each chunk finds its targets with one searchsorted.
         order = torch.argsort(pred_row_P, stable=True)
         sorted_rows = pred_row_P[order]
