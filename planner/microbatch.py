@@ -8,7 +8,8 @@ J = K / D slots. The work of a microbatch is its number of unique compact tokens
 
 Guarantees: every trajectory is in exactly one microbatch; microbatches are nonempty and within capacity; K is a
 multiple of D and every replica runs exactly K / D microbatches, one per slot. Candidates are ranked
-lexicographically by HARTS eq. 4: (total work, sum over slots of the heaviest microbatch, heaviest replica total).
+lexicographically by HARTS eq. 4: (total work, sum over slots of the heaviest microbatch, heaviest replica total),
+then by fewer slots (HARTS leaves ties open; each microbatch has fixed costs: a layout, launches, FSDP gathers).
 
 Search, in order (all trajectory sets are handled as lexicographic ranks, planner/lcp_index.py):
  1. contiguous candidates (planner/microbatch_search.py): when K_min * N <= `exact_cells`, the exact minimum-work
@@ -80,10 +81,11 @@ class MicrobatchPlan:
             out[mb.slot, mb.replica] = mb.compact_tokens
         return out
 
-    def objective(self) -> tuple[int, int, int]:
-        """HARTS eq. 4: (total work, sum over slots of the heaviest microbatch, heaviest replica's total work)."""
+    def objective(self) -> tuple[int, int, int, int]:
+        """HARTS eq. 4: (total work, sum over slots of the heaviest microbatch, heaviest replica's total work), then
+        the number of slots: at equal work and balance, fewer microbatches pay fewer per-microbatch costs."""
         w = self.slot_work()
-        return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max())
+        return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), self.num_slots
 
     def to_json(self) -> dict:
         return {
@@ -144,11 +146,11 @@ def assign_slots(work: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
     return replica, slot
 
 
-def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) -> tuple[int, int, int]:
-    """HARTS eq. 4 of an assignment (see MicrobatchPlan.objective)."""
+def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) -> tuple[int, int, int, int]:
+    """HARTS eq. 4 of an assignment, then the number of slots (see MicrobatchPlan.objective)."""
     w = np.zeros((work.size // dp, dp), dtype=np.int64)
     w[slot, replica] = work
-    return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max())
+    return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), work.size // dp
 
 
 def plan_from_groups(groups: list[np.ndarray], work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int,

@@ -162,7 +162,9 @@ def test_chunk_partition_is_bitwise_exact(op_name):
     chunk_size, start = 32, 64
     x = make_inputs(1, 150, 2, 4, 16, 8, per_channel, torch.float32, seed=3)
     names = ("q", "k", "v", "g", "beta")
-    o, final = op(*(x[n] for n in names), initial_state=x["initial_state"], output_final_state=True, chunk_size=chunk_size)
+    o, final = op(
+        *(x[n] for n in names), initial_state=x["initial_state"], output_final_state=True, chunk_size=chunk_size
+    )
     # The state at chunk start // chunk_size: the final state of the prefix run.
     _, boundary = op(
         *(x[n][:, :start] for n in names), initial_state=x["initial_state"], output_final_state=True,

@@ -88,7 +88,8 @@ def test_fla_split_keeps_forward_bitwise(core):
             *(x[n][:, rows] for n in names), initial_state=x["initial_state"][[0, 3]], output_final_state=True,
             cu_seqlens=cu_head, chunk_size=64,
         )
-        tails = [(starts[0] + CUT, starts[1]), (starts[1], starts[2]), (starts[2], starts[3]), (starts[3] + CUT, starts[4])]
+        tails = [(starts[0] + CUT, starts[1]), (starts[1], starts[2]), (starts[2], starts[3]),
+                 (starts[3] + CUT, starts[4])]
         rows_t = torch.cat([torch.arange(a, b) for a, b in tails]).cuda()
         cu_tail = torch.tensor([0, *torch.tensor([b - a for a, b in tails]).cumsum(0).tolist()], device="cuda")
         h0 = torch.stack([state[0], x["initial_state"][1], x["initial_state"][2], state[1]])
@@ -98,7 +99,8 @@ def test_fla_split_keeps_forward_bitwise(core):
         )
     o = torch.empty_like(o_one)
     o[:, rows], o[:, rows_t] = o_head, o_tail
-    assert torch.equal(o, o_one), f"{core}: o differs, max abs diff {(o.float() - o_one.float()).abs().max().item():.3e}"
+    diff = (o.float() - o_one.float()).abs().max().item()
+    assert torch.equal(o, o_one), f"{core}: o differs, max abs diff {diff:.3e}"
     assert torch.equal(final, final_one), f"{core}: final states differ"
 
 
