@@ -5,8 +5,9 @@ E experts, V vocabulary.
 
 Rank layout (outermost first): pp x dp_replicate x dp_shard x tp, with W = pp * dp_replicate * dp_shard * tp.
 D = dp_replicate * dp_shard ranks hold different microbatches; the tp ranks of one replica hold the same rows.
-Expert parallelism splits dp_shard into efsdp x ep (ep innermost), so the ep ranks of a group hold different rows,
-exchange routed rows by all-to-all, and each keeps E / ep experts.
+Expert parallelism splits dp_shard x tp into efsdp x ep (ep innermost, torchtitan's layout), so the ep ranks of a
+group hold different rows (tp ranks route different slices of their replica's rows in MoE layers), exchange routed
+rows by all-to-all, and each keeps E / ep experts.
 
 The app exposes these fields as the TOML section `[parallel]` (one key per field).
 """
@@ -49,10 +50,11 @@ class ParallelConfig:
     """Ranks one FSDP2 group shards parameters over; -1 = the rest of the world (W / (pp * dp_replicate * tp))."""
     tp: int = 1
     """Tensor-parallel degree: heads of every mixer, FFN width of dense and shared-expert MLPs, and the vocabulary
-    of embeddings and LM head are split tp ways. Must divide every head count and the vocabulary."""
+    of embeddings and LM head are split tp ways. Must divide every head count and the vocabulary. With ep > 1 the
+    tp ranks of a replica route different slices of its rows in MoE layers (`parallel.expert_parallel`)."""
     ep: int = 1
-    """Expert-parallel degree: routed experts split ep ways over ranks of different replicas; must divide dp_shard
-    and the number of experts. Not combined with tp > 1 (see `validate`)."""
+    """Expert-parallel degree: routed experts split ep ways over ranks that route different rows, taken from the
+    dp_shard x tp ranks (torchtitan's efsdp x ep); must divide dp_shard * tp and the number of experts."""
     pp: int = 1
     """Pipeline-parallel degree; only 1 is supported (see `pipeline_support`)."""
     activation_checkpointing: Literal["none", "full"] = "none"
@@ -100,17 +102,15 @@ class ParallelConfig:
             raise ValueError("call `ParallelConfig.resolved(world_size)` before `validate`: dp_shard is still -1")
         if self.pp > 1:
             raise NotImplementedError(f"`parallel.pp` = {self.pp}: {pipeline_support()}; set pp = 1")
-        if self.tp > 1 and self.ep > 1:
-            raise NotImplementedError(
-                f"`parallel.tp` = {self.tp} with `parallel.ep` = {self.ep}: the tp ranks of a replica hold the same "
-                "compact rows, and expert parallelism over them would need the rows split across tp first (sequence "
-                "parallelism), which is not implemented; use tp = 1 with ep > 1, or ep = 1"
-            )
         if self.ep > 1:
             if model.moe is None:
                 raise ValueError(f"`parallel.ep` = {self.ep} but the model has no MoE layers: set ep = 1")
-            if self.dp_shard % self.ep:
-                raise ValueError(f"`parallel.ep` ({self.ep}) must divide `parallel.dp_shard` ({self.dp_shard})")
+            if self.dp_shard * self.tp % self.ep:
+                raise ValueError(
+                    f"`parallel.ep` ({self.ep}) must divide `parallel.dp_shard` ({self.dp_shard}) * `parallel.tp` "
+                    f"({self.tp}): expert-parallel groups are formed from those ranks (dp_replicate and pp ranks are "
+                    "not part of them); choose such an ep, or move ranks from dp_replicate to dp_shard"
+                )
             if model.moe.num_experts % self.ep:
                 raise ValueError(
                     f"`parallel.ep` ({self.ep}) must divide the number of experts ({model.moe.num_experts})"

@@ -1,7 +1,8 @@
 """FSDP2 wrapping of the hybrid decoder: one unit per decoder layer, routed experts on their own mesh, and the root.
 
 Units: each decoder layer (mixer, norms, MLP or router + shared expert), under expert parallelism the routed experts
-of each MoE layer (sharded over the replicas that hold the same experts), and the root (embeddings, final norm,
+of each MoE layer (sharded over the ranks that hold the same experts: `ParallelMeshes.expert_fsdp`, which under
+tp > 1 may include tp ranks, since those route different rows there), and the root (embeddings, final norm,
 LM head; FSDP2 keeps root parameters gathered from forward to backward, which the LM head read by the log-probs
 needs). Gradients are summed, not averaged, across replicas: the loss of every microbatch is already divided by
 the global normaliser of the step (`parallel.step`), so the sum over replicas is the gradient of the step loss.

@@ -4,7 +4,8 @@ Why this order (torchtitan's `parallelize_qwen3` uses the same):
 - TP/EP first: they replace parameters by DTensors on the tp/ep meshes and swap module classes (under TP also the
   model's, for vocabulary-parallel log-probs: `parallel.tree_module`); FSDP2 must see those DTensors to shard them
   again over the data-parallel mesh (2-D parameters), and checkpointing and compile must wrap the code that finally
-  runs (with its collectives).
+  runs (with its collectives). Under tp x ep, TP shards everything but the MoE layers and EP takes those whole
+  (rows split over tp, routed experts over ep, shared expert over tp: `parallel.expert_parallel`).
 - Activation checkpointing next: recomputation runs inside each FSDP unit (`DecoderLayer.forward`), after FSDP2
   has gathered the unit's parameters for backward.
 - Compile after checkpointing and before FSDP2, so compiled regions hold model math only and FSDP2's hooks stay
@@ -44,10 +45,10 @@ def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config:
     """
     config.validate(model.config)
     if config.tp > 1:
-        apply_tensor_parallel(model, meshes.tp)
+        apply_tensor_parallel(model, meshes.tp, moe_layers=config.ep == 1)
         use_vocab_parallel_logprobs(model)
     if config.ep > 1:
-        apply_expert_parallel(model, meshes.ep)
+        apply_expert_parallel(model, meshes.ep, meshes.tp if config.tp > 1 else None)
     model.set_activation_checkpointing(config.activation_checkpointing == "full")
     if config.compile:
         apply_compile(model, config.compile_backend)

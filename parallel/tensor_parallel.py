@@ -23,6 +23,8 @@ Sharding per mixer (Shard(0) of a projection = its output features, Shard(1) = i
 - Embedding and LM head: Shard(0) over the vocabulary (see `parallel.vocab_parallel`).
 Replicated parameters read in part get Partial gradients (summed over tp by FSDP2). Everything else (layer norms,
 routers, routed experts, the shared-expert gate) stays a plain tensor computed identically on every tp rank.
+Under expert parallelism (ep > 1) the MoE layers are left to `parallel.expert_parallel`, which splits their rows
+over tp and shards the shared expert with `shard_swiglu`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from models.moe import MoE
 from parallel.collectives import copy_to_group, reduce_from_group
 from parallel.local_params import LocalParams, replicate_param, shard_param, swap_class
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "shard_swiglu"]
 
 
 class TPGatedDeltaNet(LocalParams, GatedDeltaNet):
@@ -171,28 +173,35 @@ def _mla(m: MLA, mesh: DeviceMesh) -> None:
     m.config = dataclasses.replace(c, num_heads=c.num_heads // t)
 
 
-def _swiglu(m: SwiGLU, mesh: DeviceMesh) -> None:
-    _enter_region(m, TPSwiGLU, mesh)
+def shard_swiglu(m: SwiGLU, mesh: DeviceMesh) -> None:
+    """Width-shard `m` over `mesh` without a region of its own: on `[T, D]` rows it returns this rank's partial
+    sum `[T, D]` (its F / t hidden units), which the caller reduces over the group."""
+    swap_class(m)
     shard_param(m.gate_proj, "weight", mesh, 0)
     shard_param(m.up_proj, "weight", mesh, 0)
     shard_param(m.down_proj, "weight", mesh, 1)
 
 
+def _swiglu(m: SwiGLU, mesh: DeviceMesh) -> None:
+    _enter_region(m, TPSwiGLU, mesh)
+    shard_swiglu(m, mesh)
+
+
 _MIXERS = {GatedDeltaNet: _gdn, KimiDeltaAttention: _kda, GatedAttention: _gated_attention, MLA: _mla}
 
 
-def apply_tensor_parallel(model: HybridForCausalLM, mesh: DeviceMesh) -> None:
-    """Shard `model` in place over the 1-D tp `mesh` (see the module docstring). Degrees are checked by
-    `ParallelConfig.validate`."""
+def apply_tensor_parallel(model: HybridForCausalLM, mesh: DeviceMesh, moe_layers: bool = True) -> None:
+    """Shard `model` in place over the 1-D tp `mesh` (see the module docstring); `moe_layers=False` (ep > 1) leaves
+    the MoE layers to `parallel.expert_parallel`. Degrees are checked by `ParallelConfig.validate`."""
     _enter_region(model.model.embed_tokens, TPEmbedding, mesh)
     shard_param(model.model.embed_tokens, "weight", mesh, 0)
     if not model.config.tie_word_embeddings:
         shard_param(model.lm_head, "weight", mesh, 0)
     for layer in model.model.layers:
         _MIXERS[type(layer.mixer)](layer.mixer, mesh)
-        if isinstance(layer.mlp, MoE):
+        if not isinstance(layer.mlp, MoE):
+            _swiglu(layer.mlp, mesh)
+        elif moe_layers:
             shared = getattr(layer.mlp, "shared_expert", None) or getattr(layer.mlp, "shared_experts", None)
             if shared is not None:
                 _swiglu(shared, mesh)
-        else:
-            _swiglu(layer.mlp, mesh)
