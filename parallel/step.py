@@ -1,10 +1,13 @@
 """One optimizer step's forward and backward on this rank: the microbatches the planner gave its DP replica.
 
-Legend: S semantic positions of a microbatch, C compact rows, E experts.
+Legend: S semantic positions of a microbatch, C compact rows, D model dim, E experts.
 
 Per microbatch, in the planner's slot order (the same number of microbatches on every replica, so the collectives
-of FSDP2 / EP line up): pack -> plan_calls -> TreeLayout -> tree log-probs -> loss -> backward. Gradients accumulate
-in the parameters (call `optimizer.zero_grad()` before, `optimizer.step()` after).
+of FSDP2 / EP line up): pack -> plan_calls -> TreeLayout (`pack_microbatch`; done once per step when several passes
+reuse the layouts) -> tree log-probs of the sampling distribution softmax(logits / temperature) -> loss ->
+backward. Gradients accumulate in the parameters (call `optimizer.zero_grad()` before, `optimizer.step()` after).
+`score` runs the same forward without a graph (old or reference log-probs). The same functions serve one process
+(plain model, `dp_group=None`) and every rank of a parallelized job.
 
 Loss scaling: the loss of a microbatch must already be divided by normalisers of the WHOLE step (all microbatches
 of all replicas), e.g. `token_weights(batch, step_normalizer(...), aggregation)`. Then the step loss is the sum of
@@ -14,7 +17,9 @@ the single-process gradient of the whole step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -22,25 +27,46 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.decoder import DecoderOutput, HybridForCausalLM
-from models.tree.execute import tree_logprobs
+from models.config import ModelConfig
+from models.decoder import HybridForCausalLM, TreeLMOutput
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.microbatch import MicrobatchPlan
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
 
-__all__ = ["MicrobatchLoss", "StepNormalizer", "StepMetrics", "replica_microbatches", "step_normalizer",
-           "token_weights", "train_step"]
+__all__ = ["Microbatch", "MicrobatchLoss", "StepNormalizer", "StepMetrics", "pack_microbatch", "replica_microbatches",
+           "step_normalizer", "token_weights", "train_step", "score"]
 
 
 class MicrobatchLoss(Protocol):
     def __call__(
-        self, logprobs_S: torch.Tensor, batch: CompactBatch, output: DecoderOutput
+        self, logprobs_S: torch.Tensor, batch: CompactBatch, output: TreeLMOutput
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one microbatch (already divided by the step's global normalisers) and detached metrics to sum
         over microbatches. `batch` holds the per-position metadata in original order (advantage, loss_mask,
-        logprobs, weight, traj_index); `output.moe_stats` the multiplicity-weighted router statistics per layer."""
+        logprobs, weight, traj_index); `output.moe_stats` the multiplicity-weighted router statistics per layer,
+        `output.entropy` the `[S]` entropies of the sampling distribution when `train_step(entropy=True)`."""
+
+
+@dataclass(eq=False)
+class Microbatch:
+    """One microbatch packed for tree execution on the trainer device."""
+
+    batch: CompactBatch
+    layout: TreeLayout
+    num_rounds: int
+    """Packed linear-attention calls per layer (rounds of the call plan)."""
+
+
+def pack_microbatch(trajectories: Sequence[Trajectory], model: ModelConfig, device: torch.device) -> Microbatch:
+    """Pack `trajectories` into a trie and plan its tree execution with the model's linear-attention chunk size."""
+    linear = model.linear_attention
+    chunk_size = linear.chunk_size if linear is not None else 64
+    conv_size = linear.conv_size if linear is not None else 1
+    batch = pack(trajectories)
+    calls = plan_calls(batch, chunk_size)
+    return Microbatch(batch, TreeLayout.build(batch, calls, conv_size, device), calls.num_rounds)
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,12 @@ class StepMetrics:
     expert_counts: list[torch.Tensor | None] = field(default_factory=list)
     """Per layer: multiplicity-weighted expert assignment counts `[E]` (None for dense layers), the load that
     expert-bias updates use."""
+    non_finite: int | None = None
+    """Index (slot order) of this rank's first microbatch whose loss was NaN or inf, else None. The gradients are
+    then unusable: the caller skips the optimizer step (the summed step loss is non-finite on every rank)."""
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    """Host time spent in forward (with the loss) and backward on this rank."""
 
 
 def replica_microbatches(plan: MicrobatchPlan, trajectories: Sequence[Trajectory],
@@ -119,56 +151,108 @@ def _check_equal_counts(n: int, dp_group: dist.ProcessGroup, device: torch.devic
         )
 
 
+def _checked(microbatches: Sequence, dp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    if not microbatches:
+        raise ValueError("`microbatches` is empty: every DP replica needs at least one microbatch per step")
+    if dp_group is not None:
+        _check_equal_counts(len(microbatches), dp_group, device)
+
+
+@contextmanager
+def _tempered(model: HybridForCausalLM, temperature: float) -> Iterator[None]:
+    """Make the model's log-probs those of softmax(logits / temperature), the distribution the rollout engine
+    sampled from (vLLM's "processed_logprobs"): the final norm's output `[C, D]` is divided by the temperature while
+    the context is open, which scales the logits of the plain and the vocabulary-parallel LM head alike."""
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    if temperature == 1.0:
+        yield
+        return
+    handle = model.model.norm.register_forward_hook(lambda module, args, hidden_CD: hidden_CD / temperature)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def train_step(
     model: HybridForCausalLM,
-    microbatches: Sequence[Sequence[Trajectory]],
+    microbatches: Sequence[Microbatch | Sequence[Trajectory]],
     loss_fn: MicrobatchLoss,
     *,
     dp_group: dist.ProcessGroup | None = None,
     attention_backend: str = "dense",
     chunk_rows: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
 ) -> StepMetrics:
     """Forward and backward of this rank's microbatches, in order.
 
+    Every microbatch runs forward and backward even after a non-finite loss (so that all ranks issue the same
+    collectives); `StepMetrics.non_finite` names the first one.
+
     Args:
         model: a plain HybridForCausalLM (single process) or one wrapped by `parallelize_hybrid`.
-        microbatches: this replica's microbatches in slot order, each a list of trajectories.
+        microbatches: this replica's microbatches in slot order: `Microbatch`es (`pack_microbatch`) or lists of
+            trajectories (packed here).
         loss_fn: see `MicrobatchLoss`.
         dp_group: the data-parallel group (`meshes.dp.get_group()`); used to check that replicas run equally many
             microbatches. None for a single process.
         attention_backend: tree full-attention backend ("dense", "flex", "branch"; see models.tree.attention).
         chunk_rows: rows per vocabulary chunk of the log-probs (default: ~512 MiB of fp32 scratch).
+        temperature: log-probs (and entropies) are those of softmax(logits / temperature).
+        entropy: compute the `[S]` entropies (`output.entropy` of the loss function).
     """
-    if not microbatches:
-        raise ValueError("`microbatches` is empty: every DP replica needs at least one microbatch per step")
     device = next(model.parameters()).device
-    if dp_group is not None:
-        _check_equal_counts(len(microbatches), dp_group, device)
-    linear = model.config.linear_attention
-    chunk_size = linear.chunk_size if linear is not None else 64
-    conv_size = linear.conv_size if linear is not None else 1
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    _checked(microbatches, dp_group, device)
     extras: dict[str, torch.Tensor] = {}
     expert_counts: list[torch.Tensor | None] = []
+    losses = []
     rows = tokens = calls = 0
-    for trajectories in microbatches:
-        batch = pack(trajectories)
-        plan = plan_calls(batch, chunk_size)
-        layout = TreeLayout.build(batch, plan, conv_size, device)
-        logprobs, output = tree_logprobs(model, layout, attention_backend, chunk_rows=chunk_rows)
-        loss, metrics = loss_fn(logprobs, batch, output)
-        loss.backward()
-        loss_sum += loss.detach()
-        for k, v in metrics.items():
-            extras[k] = extras.get(k, 0.0) + v.detach().to(torch.float64)
-        counts = [None if s is None else s.expert_counts for s in output.moe_stats]
-        expert_counts = counts if not expert_counts else [
-            None if a is None else a + b for a, b in zip(expert_counts, counts)
-        ]
-        rows += batch.num_compact
-        tokens += batch.num_semantic
-        calls += plan.num_rounds
+    forward_seconds = backward_seconds = 0.0
+    with _tempered(model, temperature):
+        for item in microbatches:
+            mb = item if isinstance(item, Microbatch) else pack_microbatch(item, model.config, device)
+            start = time.perf_counter()
+            output = model(mb.layout, attention_backend, chunk_rows=chunk_rows, entropy=entropy)
+            loss, metrics = loss_fn(output.logprobs, mb.batch, output)
+            middle = time.perf_counter()
+            loss.backward()
+            forward_seconds += middle - start
+            backward_seconds += time.perf_counter() - middle
+            losses.append(loss.detach().to(torch.float64))
+            for k, v in metrics.items():
+                extras[k] = extras.get(k, 0.0) + v.detach().to(torch.float64)
+            counts = [None if s is None else s.expert_counts for s in output.moe_stats]
+            expert_counts = counts if not expert_counts else [
+                None if a is None else a + b for a, b in zip(expert_counts, counts)
+            ]
+            rows += mb.batch.num_compact
+            tokens += mb.batch.num_semantic
+            calls += mb.num_rounds
+    losses_K = torch.stack(losses)
+    finite_K = torch.isfinite(losses_K).cpu()
     return StepMetrics(
-        loss=float(loss_sum), microbatches=len(microbatches), compact_rows=rows, semantic_tokens=tokens,
+        loss=float(losses_K.sum()), microbatches=len(microbatches), compact_rows=rows, semantic_tokens=tokens,
         linear_attention_calls=calls, extras={k: float(v) for k, v in extras.items()}, expert_counts=expert_counts,
+        non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
+        forward_seconds=forward_seconds, backward_seconds=backward_seconds,
     )
+
+
+@torch.no_grad()
+def score(
+    model: HybridForCausalLM,
+    microbatches: Sequence[Microbatch],
+    *,
+    dp_group: dist.ProcessGroup | None = None,
+    attention_backend: str = "dense",
+    chunk_rows: int | None = None,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """`[S]` float64 log-probs of softmax(logits / temperature) for every microbatch under `model`, without a
+    graph (old or reference log-probs). Arguments as `train_step`."""
+    _checked(microbatches, dp_group, next(model.parameters()).device)
+    with _tempered(model, temperature):
+        return [model(mb.layout, attention_backend, chunk_rows=chunk_rows).logprobs.to(torch.float64)
+                for mb in microbatches]
