@@ -1,12 +1,18 @@
-"""`python -m app CONFIG.toml [--resume] [--print-config] [--section.key=value ...]` (what ./run.sh runs)."""
+"""`python -m app CONFIG.toml [--resume] [--print-config] [--section.key=value ...]` (what ./run.sh runs).
+
+An RL job whose [parallel] degrees need several ranks re-executes itself under torchrun on this node
+(app.launch); each rank then runs this same entry point.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from app.config import ConfigError, JobConfig
 from app.config_loader import load_config, to_toml
+from app.launch import launch_size, torchrun_command, under_torchrun
 from planner.jsonl import TrajectoryFileError
 
 
@@ -18,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="TOML job config (e.g. configs/demo.toml)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (checkpoint.resume)")
+    argv = sys.argv[1:] if argv is None else argv
     args, overrides = parser.parse_known_args(argv)
     if args.resume:
         overrides = [*overrides, "--checkpoint.resume=true"]
@@ -30,11 +37,17 @@ def main(argv: list[str] | None = None) -> int:
             from app.plan_report import run_plan_report
 
             return run_plan_report(config)
+        if launch_size(config) > 1 and not under_torchrun():
+            command = torchrun_command(config, args.config, [a for a in argv if a != args.config])
+            print(f"[arbor] {launch_size(config)} ranks: {' '.join(command)}", file=sys.stderr, flush=True)
+            os.execv(command[0], command)
         from app.rl_job import run_rl
 
         return run_rl(config)
     except (ConfigError, TrajectoryFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Under torchrun every rank reads the same config: rank 0 reports it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -2,9 +2,10 @@
 
 Reference: every trajectory through the model's flat forward separately (no trie, no plan), log-softmax of
 logits / temperature, app.losses.token_normalizers over all positions of the step, one policy_loss, one backward.
-Tested: the step loss and every parameter gradient after gradient accumulation over several planned microbatches,
-with KL, truncated IS, both aggregations and a sampling temperature; `score` against the same reference; skipped
-optimizer steps.
+Tested: the step loss and every parameter gradient after gradient accumulation over several planned microbatches
+(app.train_step.prepare_step + parallel.step.train_step, the path of every rank), with KL, truncated IS, both
+aggregations and a sampling temperature; `parallel.step.score` against the same reference; non-finite losses and
+skipped optimizer steps.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import torch
 
 from app.losses import PolicyLossConfig, policy_loss, token_normalizers
 from app.objectives import RouterLossConfig, rl_loss
-from app.train_step import forward_backward, optimizer_step, prepare_microbatches, score
+from app.train_step import optimizer_step, prepare_step
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.presets import preset
+from parallel.step import score, train_step
+from planner.microbatch import plan_microbatches
 
 CHUNK = 16
 #: float64 on both sides: only summation order differs.
@@ -52,6 +55,12 @@ def step_trajectories(seed: int = 0):
         t.ref_logprobs = -rng.uniform(0.5, 3.0, size=len(t))
         t.weight = float(rng.uniform(0.5, 1.5))
     return trajectories
+
+
+def plan_step(trajectories, model, capacity: int, aggregation: str = "token-mean"):
+    plan = plan_microbatches(trajectories, capacity, 1)
+    return prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                        aggregation=aggregation, device=torch.device("cpu"))
 
 
 def flat_step(model, trajectories, config: PolicyLossConfig, temperature: float):
@@ -85,11 +94,11 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
     loss, flat_logprobs = flat_step(reference, trajectories, config, temperature)
     loss.backward()
 
-    plan = prepare_microbatches(trajectories, capacity=160, chunk_size=CHUNK, conv_size=4, aggregation=aggregation,
-                                device=torch.device("cpu"))
+    plan = plan_step(trajectories, tree, 160, aggregation)
     assert len(plan.microbatches) >= 3, "the step must be split for gradient accumulation to matter"
-    result = forward_backward(tree, plan.microbatches, rl_loss(config, RouterLossConfig()), temperature=temperature)
-    assert result.finite
+    result = train_step(tree, plan.microbatches, rl_loss(config, RouterLossConfig(), plan), temperature=temperature,
+                        entropy=True)
+    assert result.non_finite is None
     assert abs(result.loss - loss.item()) <= TOL * max(1.0, abs(loss.item()))
     for (name, p_ref), p_tree in zip(reference.named_parameters(), tree.parameters()):
         scale = p_ref.grad.abs().max().item() + 1e-12
@@ -105,14 +114,14 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
         torch.testing.assert_close(scored, expected.detach(), rtol=0, atol=1e-10)
 
 
-def test_plan_reports_tree_and_flat_tokens():
+def test_step_plan_covers_the_step_once():
     trajectories = step_trajectories()
-    plan = prepare_microbatches(trajectories, capacity=10_000, chunk_size=CHUNK, conv_size=4,
-                                aggregation="token-mean", device=torch.device("cpu"))
-    assert plan.semantic_tokens == sum(len(t) for t in trajectories)
-    assert plan.compact_tokens == sum(mb.batch.num_compact for mb in plan.microbatches) < plan.semantic_tokens
-    assert sum(mb.token_share for mb in plan.microbatches) == pytest.approx(1.0)
+    plan = plan_step(trajectories, small_model(), 10_000)
+    assert sum(mb.batch.num_semantic for mb in plan.microbatches) == sum(len(t) for t in trajectories)
+    assert sum(mb.batch.num_compact for mb in plan.microbatches) < sum(len(t) for t in trajectories)
+    assert sum(inputs.token_share for inputs in plan.inputs) == pytest.approx(1.0)
     assert sorted(id(t) for mb in plan.microbatches for t in mb.batch.trajectories) == sorted(map(id, trajectories))
+    assert all(plan.inputs_of(mb.batch) is inputs for mb, inputs in zip(plan.microbatches, plan.inputs))
 
 
 def test_non_finite_loss_and_gradients_are_not_applied():
@@ -121,10 +130,10 @@ def test_non_finite_loss_and_gradients_are_not_applied():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trajectories = step_trajectories()
     trajectories[3].advantage[:] = np.nan
-    plan = prepare_microbatches(trajectories, capacity=160, chunk_size=CHUNK, conv_size=4,
-                                aggregation="token-mean", device=torch.device("cpu"))
-    result = forward_backward(model, plan.microbatches, rl_loss(PolicyLossConfig(), RouterLossConfig()))
-    assert not result.finite and result.bad_microbatch is not None
+    plan = plan_step(trajectories, model, 160)
+    bad = next(i for i, mb in enumerate(plan.microbatches) if trajectories[3] in mb.batch.trajectories)
+    result = train_step(model, plan.microbatches, rl_loss(PolicyLossConfig(), RouterLossConfig(), plan), entropy=True)
+    assert result.non_finite == bad and not np.isfinite(result.loss)
 
     for p in model.parameters():
         p.grad = torch.full_like(p, float("inf"))
