@@ -1,0 +1,120 @@
+"""The RL job on several CPU ranks (gloo) equals the job in one process.
+
+Covered on the way: ./run.sh's torchrun re-launch (`python -m app` with [parallel] degrees above 1), rank 0's torch
+engine, trees and plan for D replicas shared with every rank, each rank's replica step (parallel.step.train_step
+under FSDP2 and FSDP2 x TP), step metrics summed over replicas, weight sync from the gathered shards, DCP
+checkpoints and --resume, the HF export from rank 0.
+
+float64 models: the runs differ only in summation order (the step is split into microbatches for D replicas,
+reductions are sharded), so per-step losses and the exported parameters agree to ~1e-12, and the torch engine
+(seeded) samples the same trees. The MoE load-balancing loss is off: it is computed per microbatch, and D replicas
+partition a step differently from one process (the policy loss and z-loss are sums over tokens and do not depend
+on the partition).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from app.__main__ import main
+from models.hf_io import load_hf
+from tests.app.jobs import write_job
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOAT64_JOB = ["--model.dtype=float64", "--train.moe_aux_loss_coef=0", "--train.sft_steps=1", "--train.steps=2"]
+PPO_KL = ["--rl.objective=ppo", "--rl.epochs=2", "--rl.kl_coef=0.1", "--rollout.temperature=0.8"]
+TOL = 1e-9
+
+
+def launch(folder: Path, ranks: int, *args: str) -> str:
+    """`python -m app job.toml ARGS` in a fresh process, which must re-launch itself under torchrun with `ranks`
+    processes; returns rank 0's output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "app", str(folder / "job.toml"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"[arbor] {ranks} ranks: " in done.stderr and f"--nproc-per-node {ranks} -m app" in done.stderr
+    return done.stdout
+
+
+def scalars(folder: Path, tag: str) -> dict[int, float]:
+    (run,) = [p for p in (folder / "tb").iterdir() if p.is_dir()]
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Same trees, the same losses per step, and the same final parameters (HF exports)."""
+    for tag in ("rollout/reward_mean", "rollout/tree_tokens", "train/semantic_tokens"):
+        assert scalars(got, tag) == scalars(want, tag), tag
+    for tag in ("sft/loss", "train/loss", "train/kl", "train/entropy"):
+        a, b = scalars(got, tag), scalars(want, tag)
+        assert a.keys() == b.keys(), tag
+        for step in a:
+            assert abs(a[step] - b[step]) <= TOL * max(abs(b[step]), 1e-3), (tag, step, a[step], b[step])
+    a, b = load_hf(got / "hf").state_dict(), load_hf(want / "hf").state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= TOL * b[name].abs().max().item(), name
+
+
+def single_process(tmp_path: Path, name: str, *args: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    assert main([str(write_job(folder)), *FLOAT64_JOB, *args]) == 0
+    return folder
+
+
+def test_two_ranks_with_a_resume_equal_one_process(tmp_path):
+    want = single_process(tmp_path, "one")
+    got = tmp_path / "two"
+    got.mkdir()
+    write_job(got)
+    out = launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--train.steps=1")
+    assert "RL step   1/1" in out
+    assert (got / "ck" / "step-2" / ".metadata").is_file(), "DCP checkpoint of step 2 (1 SFT + 1 RL step)"
+    out = launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
+    assert "resumed from" in out and "RL step   2/2" in out and "exported the policy" in out
+    assert_same_run(got, want)
+
+
+def test_four_ranks_fsdp_x_tp_with_ppo_kl_and_temperature_equal_one_process(tmp_path):
+    want = single_process(tmp_path, "one", *PPO_KL)
+    got = tmp_path / "four"
+    got.mkdir()
+    write_job(got)
+    launch(got, 4, *FLOAT64_JOB, *PPO_KL, "--parallel.dp_shard=2", "--parallel.tp=2")
+    assert_same_run(got, want)
+    kl = scalars(got, "train/kl")
+    assert kl[2] == 0.0 and kl[3] > 0.0  # RL starts at the reference
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="this node could run configs/node-8gpu.toml")
+def test_node_8gpu_config_says_what_it_needs(capsys):
+    assert main([str(ROOT / "configs" / "node-8gpu.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "need 8 ranks" in err and "8 CUDA GPUs on this node, one per rank (NCCL)" in err
+    assert "--train.device=cpu" in err and "configs/multinode.toml" in err
+
+
+@pytest.mark.slow
+def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
+    """configs/node-8gpu.toml's layout (FSDP2 over 8 ranks, 8-way expert parallelism, recomputation) with the tiny
+    Kimi-Linear model on CPU, as the config's comment shows."""
+    done = subprocess.run(
+        [str(ROOT / "run.sh"), "configs/node-8gpu.toml", "--train.device=cpu", "--model.preset=tiny-kimi-linear",
+         "--parallel.param_dtype=model", "--train.sft_steps=1", "--train.steps=2", "--rollout.tasks_per_step=4",
+         f"--checkpoint.dir={tmp_path / 'ck'}", f"--checkpoint.export_dir={tmp_path / 'hf'}",
+         f"--metrics.log_dir={tmp_path / 'tb'}", "--metrics.progress=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RL step   2/2" in done.stdout and (tmp_path / "hf" / "config.json").is_file()
