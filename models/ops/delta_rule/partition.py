@@ -91,22 +91,3 @@ def check_delta_rule_shapes(
             f"`initial_state` must have shape {[num_seqs, HV, K, V]} (N = sequences), got {tuple(initial_state.shape)}"
         )
 
-
-def check_fla_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    cu_seqlens_cpu: torch.Tensor | None,
-    per_channel_gate: bool,
-) -> None:
-    """The checks of a fast-path delta-rule call that need no host synchronisation (shapes, not offsets)."""
-    if cu_seqlens is not None and q.shape[0] != 1:
-        raise ValueError(f"with `cu_seqlens` the batch size must be 1 (pack sequences along T), got B={q.shape[0]}")
-    if cu_seqlens_cpu is not None and (cu_seqlens is None or cu_seqlens_cpu.shape != cu_seqlens.shape):
-        raise ValueError("`cu_seqlens_cpu` must be the host copy of `cu_seqlens` (same shape [N+1])")
-    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    check_delta_rule_shapes(q, k, v, g, beta, initial_state, num_seqs, per_channel_gate)

@@ -8,7 +8,7 @@ Note (fla.md section 3): fla's GDN backward raises on Hopper with triton >= 3.4,
 
 import torch
 
-from models.ops.delta_rule.partition import check_fla_call
+from models.ops.delta_rule.fla_args import fla_delta_rule_kwargs
 
 FLA_GDN_CHUNK_SIZES = (16, 32, 64)
 
@@ -28,27 +28,16 @@ def chunk_gdn(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN core on fla's Triton kernels; arguments and returns as `naive_chunk_gdn` (chunk_size 16, 32 or 64).
 
-    In-kernel activations off, K-first fp32 states `[N, HV, K, V]`; fla is imported here (slow import).
+    In-kernel activations off, K-first fp32 states `[N, HV, K, V]` (`models.ops.delta_rule.fla_args`); fla is imported
+    here (a slow import).
     """
     if chunk_size not in FLA_GDN_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be one of {FLA_GDN_CHUNK_SIZES} on the fla GDN path, got {chunk_size!r}")
-    check_fla_call(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, per_channel_gate=False)
+    kwargs = fla_delta_rule_kwargs(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
+        per_channel_gate=False,
+    )
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, final_state = chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=None if initial_state is None else initial_state.float(),
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-        state_v_first=False,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_size=chunk_size,
-    )
+    o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
     return o.to(v.dtype), final_state

@@ -6,7 +6,7 @@ Reference with the same signature: `models.ops.kda.naive.naive_chunk_kda`.
 
 import torch
 
-from models.ops.delta_rule.partition import check_fla_call
+from models.ops.delta_rule.fla_args import fla_delta_rule_kwargs
 
 FLA_KDA_CHUNK_SIZES = (32, 64)
 
@@ -27,30 +27,17 @@ def chunk_kda(
     """KDA core on fla's Triton kernels; arguments and returns as `naive_chunk_kda` (chunk_size 32 or 64, K <= 256).
 
     Gates and beta arrive activated and q/k normalised, so every in-kernel activation flag stays off; states are
-    K-first `[N, HV, K, V]` fp32. fla is imported here (importing fla.ops takes seconds).
+    K-first `[N, HV, K, V]` fp32 (`models.ops.delta_rule.fla_args`). fla is imported here (a slow import).
     """
     if chunk_size not in FLA_KDA_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be one of {FLA_KDA_CHUNK_SIZES} on the fla KDA path, got {chunk_size!r}")
     if q.dim() == 4 and q.shape[-1] > 256:
         raise ValueError(f"the fla KDA path needs head dim K <= 256, got K={q.shape[-1]}")
-    check_fla_call(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, per_channel_gate=True)
+    kwargs = fla_delta_rule_kwargs(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
+        per_channel_gate=True,
+    )
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    o, final_state = fla_chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=None if initial_state is None else initial_state.float(),
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-        state_v_first=False,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_size=chunk_size,
-    )
+    o, final_state = fla_chunk_kda(q, k, v, g, beta, use_gate_in_kernel=False, **kwargs)
     return o.to(v.dtype), final_state

@@ -8,6 +8,7 @@ same per-chunk arithmetic: bitwise.
 import pytest
 import torch
 
+from models.ops.delta_rule.fla_args import fla_delta_rule_kwargs
 from models.ops.gdn import gdn_core
 from models.ops.gdn.chunk import chunk_gdn
 from models.ops.gdn.naive import naive_chunk_gdn
@@ -222,3 +223,15 @@ def test_invalid_arguments_name_the_argument(op_name):
     fast = {"kda": chunk_kda, "gdn": chunk_gdn}[op_name]
     with pytest.raises(ValueError, match="chunk_size"):
         fast(*args, chunk_size=8)
+    # The fast paths check shapes without reading offsets (no host sync), before importing fla.
+    one = [a[:1] for a in args]
+    common = (None, None, False)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        fla_delta_rule_kwargs(*one, *common, torch.tensor([0, 10]), torch.tensor([0, 4, 10]), 64, per_channel)
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        fla_delta_rule_kwargs(*args, *common, torch.tensor([0, 10]), None, 64, per_channel)
+    with pytest.raises(ValueError, match="initial_state"):
+        h0 = x["initial_state"][:1]
+        fla_delta_rule_kwargs(*one, None, h0, False, torch.tensor([0, 4, 10]), None, 64, per_channel)
+    kwargs = fla_delta_rule_kwargs(*one, *common, torch.tensor([0, 10]), torch.tensor([0, 10]), 64, per_channel)
+    assert kwargs["state_v_first"] is False and kwargs["use_qk_l2norm_in_kernel"] is False
