@@ -25,18 +25,15 @@ __all__ = ["ParallelConfig", "pipeline_support"]
 
 
 def pipeline_support() -> str | None:
-    """None if the installed torch has the pipeline schedules we would need, else the reason it has not."""
+    """None if the installed torch runs `parallel.pipeline` (torch >= 2.14), else the reason it cannot."""
     major, minor = (int(p) for p in torch.__version__.split(".")[:2])
     if (major, minor) < (2, 14):
         return (
             f"torch {torch.__version__} has no `step(arg_mbs=..., kwarg_mbs=...)` in torch.distributed.pipelining "
-            "schedules (measured with torchtitan 0.3.0 on torch 2.13: 'Expecting 2 arg_mbs but got 1'); pipeline "
-            "parallelism needs torch >= 2.14"
+            "schedules (measured with torchtitan 0.3.0 on torch 2.13: 'Expecting 2 arg_mbs but got 1'), and tree "
+            "microbatches need per-microbatch inputs; pipeline parallelism needs torch >= 2.14"
         )
-    return (
-        "pipeline stages over compact tree layouts are not implemented: the row count C varies per microbatch, and "
-        "torch.distributed.pipelining stages are set up with activation shapes of one microbatch"
-    )
+    return None
 
 
 @dataclass(kw_only=True)
@@ -56,7 +53,11 @@ class ParallelConfig:
     """Expert-parallel degree: routed experts split ep ways over ranks that route different rows, taken from the
     dp_shard x tp ranks (torchtitan's efsdp x ep); must divide dp_shard * tp and the number of experts."""
     pp: int = 1
-    """Pipeline-parallel degree; only 1 is supported (see `pipeline_support`)."""
+    """Pipeline-parallel degree: the decoder layers split into stages over pp ranks (`parallel.pipeline`; needs
+    torch >= 2.14, see `pipeline_support`; not combined with tp > 1 or ep > 1)."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B"] = "1F1B"
+    """torch.distributed.pipelining schedule for pp > 1: "1F1B" runs one stage per rank and needs at least pp
+    microbatches per replica; "Interleaved1F1B" runs two stages per rank (stage s on pp rank s mod pp), any count."""
     activation_checkpointing: Literal["none", "full"] = "none"
     """"full": every decoder layer is recomputed in backward from the same tree layout (HARTS runs this way)."""
     compile: bool = False
@@ -71,7 +72,8 @@ class ParallelConfig:
     reduce_dtype: Literal["model", "float32", "bfloat16"] = "model"
     """FSDP2 dtype of gradient reduce-scatter / all-reduce; "model" = the model dtype."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered layer parameters after forward ("default" = yes, as without pipeline parallelism)."""
+    """Free gathered layer parameters after forward ("default" = yes without pipeline parallelism, no with it: each
+    microbatch would gather them again, torchtitan's policy)."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "ep", "pp"):
@@ -79,6 +81,8 @@ class ParallelConfig:
                 raise ValueError(f"`parallel.{name}` must be >= 1, got {getattr(self, name)}")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"`parallel.dp_shard` must be >= 1 or -1 (rest of the world), got {self.dp_shard}")
+        if self.pp_schedule not in _PP_SCHEDULES:
+            raise ValueError(f"`parallel.pp_schedule` must be one of {_PP_SCHEDULES}, got {self.pp_schedule!r}")
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """A copy with dp_shard filled in for `world_size` ranks; raises if the degrees do not multiply to it."""
@@ -96,12 +100,13 @@ class ParallelConfig:
         """D: data-parallel replicas, i.e. ranks that hold different microbatches (after `resolved`)."""
         return self.dp_replicate * self.dp_shard
 
-    def validate(self, model: ModelConfig) -> None:
-        """Check the (resolved) degrees against a model; raises ValueError / NotImplementedError naming the fix."""
+    def validate(self, model: ModelConfig, *, pipelined: bool = False) -> None:
+        """Check the (resolved) degrees against a model; raises ValueError / NotImplementedError naming the fix.
+        `pipelined`: the caller splits the model into pipeline stages (`parallel.pipeline.pipeline_hybrid`)."""
         if self.dp_shard < 1:
             raise ValueError("call `ParallelConfig.resolved(world_size)` before `validate`: dp_shard is still -1")
         if self.pp > 1:
-            raise NotImplementedError(f"`parallel.pp` = {self.pp}: {pipeline_support()}; set pp = 1")
+            self._validate_pipeline(model, pipelined)
         if self.ep > 1:
             if model.moe is None:
                 raise ValueError(f"`parallel.ep` = {self.ep} but the model has no MoE layers: set ep = 1")
@@ -119,6 +124,37 @@ class ParallelConfig:
             for name, count in _tp_split_sizes(model).items():
                 if count % self.tp:
                     raise ValueError(f"`parallel.tp` ({self.tp}) must divide {name} ({count})")
+
+    def _validate_pipeline(self, model: ModelConfig, pipelined: bool) -> None:
+        reason = pipeline_support()
+        if reason is not None:
+            raise NotImplementedError(f"`parallel.pp` = {self.pp}: {reason}; set pp = 1")
+        if not pipelined:
+            raise NotImplementedError(
+                f"`parallel.pp` = {self.pp}: parallelize_hybrid does not split the model into pipeline stages; build "
+                "it with parallel.pipeline.pipeline_hybrid (pipeline_for_job) and run parallel.pipeline."
+                "pipeline_train_step, or set pp = 1"
+            )
+        if self.tp > 1 or self.ep > 1:
+            raise NotImplementedError(
+                f"`parallel.pp` = {self.pp} with `parallel.tp` = {self.tp} / `parallel.ep` = {self.ep}: pipeline "
+                "stages are not combined with tensor or expert parallelism (the last stage would need the "
+                "vocabulary-parallel log-probs, untested); use tp = ep = 1 with pp > 1, or pp = 1"
+            )
+        if model.tie_word_embeddings:
+            raise NotImplementedError(
+                f"`parallel.pp` = {self.pp} with `tie_word_embeddings`: the embedding lives on the first stage and "
+                "the LM head on the last; untie the embeddings or set pp = 1"
+            )
+        stages = self.pp * (2 if self.pp_schedule == "Interleaved1F1B" else 1)
+        if stages > model.num_layers + 2:
+            raise ValueError(
+                f"`parallel.pp` = {self.pp} with `parallel.pp_schedule` = {self.pp_schedule!r} makes {stages} stages "
+                f"but the model has {model.num_layers} layers plus embedding and head: lower pp or use '1F1B'"
+            )
+
+
+_PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def _tp_split_sizes(model: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,141 @@
+"""Pipeline parallelism (parallel.pipeline, torch >= 2.14) on gloo CPU ranks: the pipelined step gives the
+single-process loss, every parameter gradient and the expert loads of the whole step packed as one batch, and the
+single-process log-probs (scored at a temperature) and entropies, with the planner's microbatches (of different
+compact row counts) and activation recomputation; below torch 2.14, pp > 1 is refused with the reason."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from app.losses import PolicyLossConfig, policy_loss
+from models.decoder import HybridForCausalLM
+from models.presets import preset
+from parallel.config import ParallelConfig, pipeline_support
+from parallel.launch import init_distributed
+from parallel.metrics import global_expert_counts, reduce_step
+from parallel.pipeline import (pipeline_clip_grad_norm_, pipeline_for_job, pipeline_score, pipeline_train_step,
+                               stage_layers)
+from parallel.step import pack_microbatch, replica_microbatches, score, step_normalizer, token_weights
+from planner.microbatch import plan_microbatches
+from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
+
+needs_pp = pytest.mark.skipif(
+    pipeline_support() is not None, reason=f"pipeline parallelism needs torch >= 2.14 (installed: {torch.__version__})"
+)
+
+
+def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int, dtype: str) -> None:
+    """Run in every rank: the pipelined step == the single-process step (loss, gradients, expert loads, scores)."""
+    job = init_distributed(ParallelConfig(activation_checkpointing="full", **parallel), "cpu")
+    config = small_config(preset_name, dtype=dtype)
+    tol = TOLERANCES[dtype]
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config)
+    loss_config = PolicyLossConfig()
+    trajectories = step_trajectories(config, trees)
+    plan = plan_microbatches(trajectories, capacity, job.config.dp)
+    groups = replica_microbatches(plan, trajectories, job.dp_rank)
+    mbs = [pack_microbatch(g, config, job.device) for g in groups]
+    ref_scores = score(model, mbs, temperature=0.7)
+    with torch.no_grad():
+        ref_entropy = [model(mb.layout, entropy=True).entropy for mb in mbs]
+    reference = HybridForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ref_loss, ref_grads, ref_counts = reference_step(reference, trajectories, loss_config)
+
+    pipelined = pipeline_for_job(model, job)
+    del model
+    dp_group = job.meshes.dp.get_group()
+    normalizer = step_normalizer(groups, dp_group)
+    S = sum(len(t) for t in trajectories)
+    batches = [id(mb.batch) for mb in mbs]
+
+    def loss_fn(lp, batch, output):
+        assert id(batch) in batches, "the loss must get the microbatch's own packed batch"
+        want = ref_entropy[batches.index(id(batch))]
+        assert (output.entropy - want).abs().max() <= tol["loss"] * want.abs().max(), "entropies"
+        w = torch.as_tensor(token_weights(batch, normalizer, loss_config.aggregation))
+        terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
+        return terms.loss + z_loss(output, S), {"policy": terms.policy}
+
+    rows = {mb.batch.num_compact for mb in mbs}
+    assert len(mbs) >= 2 and len(rows) > 1, f"want microbatches of different row counts, got {len(mbs)}: {rows}"
+    scores = pipeline_score(pipelined, mbs, dp_group=dp_group, temperature=0.7)
+    for got, want in zip(scores, ref_scores, strict=True):
+        assert (got - want).abs().max() <= tol["loss"] * want.abs().max(), "scored log-probs"
+    total_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+    worst = 0.0
+    for _ in range(2):  # a second step (new schedule, gradients zeroed as by the optimizer) gives the same again
+        for p in pipelined.parameters():
+            p.grad = None
+        metrics = pipeline_train_step(pipelined, mbs, loss_fn, dp_group=dp_group, entropy=True)
+        step = reduce_step(metrics, dp_group)
+        assert step["microbatches"] == len(plan.microbatches) and step["semantic_tokens"] == S
+        assert metrics.non_finite is None and metrics.extras.keys() == {"policy"}
+        for got, want in zip(global_expert_counts(metrics, dp_group), ref_counts, strict=True):
+            assert (got is None and want is None) or torch.equal(got, want), "expert loads differ from one process"
+        loss_err = abs(step["loss"] - ref_loss) / abs(ref_loss)
+        assert loss_err <= tol["loss"], f"step loss {step['loss']} vs one process {ref_loss} (rel err {loss_err:.2e})"
+        for name, p in pipelined.named_parameters():
+            grad = p.grad.full_tensor()
+            ref = ref_grads[name]
+            err = ((grad - ref).norm() / (tol["grad_rtol"] * ref.norm() + tol["grad_floor"] * total_norm)).item()
+            assert err <= 1.0, f"gradient of {name} differs by {err:.2f} x the tolerance {tol}"
+            worst = max(worst, err)
+    names = [None] * pipelined.parallel.pp
+    dist.all_gather_object(names, [n for n, _ in pipelined.named_parameters()], group=pipelined.pp_group)
+    assert sorted(n for part in names for n in part) == sorted(ref_grads), "stages must hold every parameter once"
+    norm = pipeline_clip_grad_norm_(pipelined, 0.5 * total_norm).item()
+    assert abs(norm - total_norm) <= tol["grad_rtol"] * total_norm, (norm, total_norm)
+    if dist.get_rank() == 0:
+        print(f"{preset_name} {dtype} {parallel}: loss rel err {loss_err:.1e}, worst gradient at {worst:.1e} of its "
+              f"tolerance, rows per microbatch {sorted(rows)}")
+    if parallel.get("pp_schedule", "1F1B") == "1F1B":
+        with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
+            pipeline_train_step(pipelined, mbs[:1], loss_fn, dp_group=dp_group)
+
+
+@needs_pp
+def test_pp2_kimi_linear_1f1b_float64():
+    run_ranks(2, compare_pipeline, "tiny-kimi-linear", {"pp": 2}, 192, 1, "float64")
+
+
+@needs_pp
+def test_pp2_interleaved_qwen3_next_float32():
+    run_ranks(2, compare_pipeline, "tiny-qwen3-next", {"pp": 2, "pp_schedule": "Interleaved1F1B"}, 192, 1, "float32")
+
+
+@needs_pp
+def test_pp2_x_fsdp2_qwen3_next_float64():
+    run_ranks(4, compare_pipeline, "tiny-qwen3-next", {"pp": 2, "dp_shard": 2}, 192, 2, "float64")
+
+
+def test_stage_layers_follow_torchtitan_split():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(4, 4) == [range(0, 1), range(1, 3), range(3, 4), range(4, 4)]
+
+
+@needs_pp
+@pytest.mark.parametrize(
+    "degrees, model, error, match",
+    [
+        ({"pp": 2}, "tiny-qwen3-next", NotImplementedError, "parallelize_hybrid does not split"),
+        ({"pp": 2, "tp": 2}, "tiny-qwen3-next", NotImplementedError, "use tp = ep = 1 with pp > 1"),
+        ({"pp": 4, "pp_schedule": "Interleaved1F1B"}, "tiny-kimi-linear", ValueError, "makes 8 stages"),
+    ],
+    ids=["not-pipelined", "pp-and-tp", "too-many-stages"],
+)
+def test_pipeline_validation(degrees, model, error, match):
+    config = ParallelConfig(**degrees).resolved(degrees["pp"] * degrees.get("tp", 1))
+    with pytest.raises(error, match=match):
+        config.validate(preset(model), pipelined="tp" in degrees or degrees["pp"] == 4)
+    with pytest.raises(ValueError, match="`parallel.pp_schedule` must be one of"):
+        ParallelConfig(pp=2, pp_schedule="ZBV")
+
+
+@pytest.mark.skipif(pipeline_support() is None, reason="torch >= 2.14 runs pipeline parallelism")
+def test_pp_refused_below_torch_2_14():
+    config = ParallelConfig(pp=2).resolved(2)
+    with pytest.raises(NotImplementedError, match=r"`parallel.pp` = 2: torch .* pipeline parallelism needs torch >= "
+                                                  r"2\.14; set pp = 1"):
+        config.validate(preset("tiny-qwen3-next"), pipelined=True)
