@@ -2,6 +2,7 @@
 # Arbor entry point.
 #   ./run.sh                 run the default job (configs/demo.toml)
 #   ./run.sh CONFIG.toml ... run a job; extra arguments are config overrides (--section.key=value)
+#                            ([parallel] degrees whose product N > 1: torchrun with N ranks on this node, app/launch.py)
 #   ./run.sh test [ARGS]     run the test suite (pytest ARGS)
 # The first call creates .venv with the pinned CPU stack (requirements/cpu.txt); later calls reuse it.
 set -euo pipefail

@@ -41,6 +41,11 @@ def device_type(config: JobConfig) -> str:
 
 def check_multi_rank(config: JobConfig) -> None:
     """Raise ConfigError for what a job of several ranks cannot do."""
+    if config.parallel.pp > 1:
+        raise ConfigError(
+            f"`parallel.pp` = {config.parallel.pp}: the RL job does not run pipeline stages (parallel/pipeline.py's "
+            "pipeline_train_step is not wired into it); set pp = 1"
+        )
     if config.rollout.engine == "vllm":
         raise ConfigError(
             "`rollout.engine` = 'vllm' with several ranks: the in-process vLLM engine (rollout/vllm_engine.py) "
