@@ -9,7 +9,7 @@ One process, one model (random init), full-layer activation recomputation, the s
   plan -> TreeLayout -> tree forward -> mapped log-probs -> the same loss -> backward.
 F/B/Grad time = everything after planning except the optimizer (incl. Arbor's layout materialisation); Core adds
 Arbor's planning (microbatch planner, packing, call planner). Both modes accumulate gradients over all their
-microbatches. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression ~1.1). The `auto`
+microbatches. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression ~1.2). The `auto`
 mode runs each Arbor microbatch as a tree when a linear cost model fitted to this run's own measurements predicts
 that faster than its flat expansion, and packs the trajectories of all other microbatches flat like the baseline.
 """
@@ -42,11 +42,11 @@ PEAK_FLOPS = {"cuda": 989e12}
 
 
 def low_sharing_step(seed: int, paths: int, length: int, vocab: int) -> list[Trajectory]:
-    """Pairs of trajectories that share a short prompt (1/6 of their length): compression about 1.1."""
+    """Pairs of trajectories that share a prompt of 1/3 of their length: compression 2L / (2L - L/3) = 1.2."""
     rng = np.random.default_rng([seed, 0x10])
     out = []
     for i in range(0, paths, 2):
-        prompt = rng.integers(0, vocab, size=length // 6)
+        prompt = rng.integers(0, vocab, size=length // 3)
         for _ in range(2):
             tail = rng.integers(0, vocab, size=length - prompt.size)
             out.append(Trajectory(np.concatenate([prompt, tail]), tree=f"low{i}"))

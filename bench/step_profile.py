@@ -1,0 +1,107 @@
+"""Where one microbatch's time goes, flat vs tree, on one GPU: host synchronisations by source line and the CUDA
+kernels that take the most time (issue 7, item 5).
+
+    python -m bench.step_profile [--model ling-3-tiny] [--scale 0.01] [--capacity 65536] [--attention branch]
+
+Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
+step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
+(each synchronising call counted by its last three non-torch stack frames) and once under `torch.profiler`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.speed import first_fit_flat, flat_step, sync, tree_step
+from bench.workloads import swe_like_step
+from models.decoder import HybridForCausalLM
+from models.presets import preset
+from planner.calls import plan_calls
+from planner.microbatch import plan_microbatches
+from planner.pack import pack
+
+
+def sync_sites(fn) -> collections.Counter:
+    """Run `fn` once and count its host synchronisations by the three innermost frames outside torch."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/site-packages/torch/" not in f.filename and "warnings" not in f.filename]
+        sites[" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:])] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            sync(torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return sites
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="ling-3-tiny")
+    parser.add_argument("--scale", type=float, default=0.01)
+    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
+    parser.add_argument("--rows", type=int, default=14, help="kernel table rows")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    dev = torch.device("cuda")
+    config = dataclasses.replace(preset(args.model), dtype="bfloat16")
+    with torch.device(dev):
+        model = HybridForCausalLM(config)
+    model.set_activation_checkpointing(True)
+    trajs = swe_like_step(0, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
+    flat = max(first_fit_flat(trajs, args.capacity), key=lambda g: sum(len(trajs[i]) for i in g))
+    flat_trajs = [trajs[i] for i in flat]
+    batch = pack([trajs[i] for i in plan_microbatches(trajs, args.capacity, 1).microbatches[0].trajectories])
+    plan = plan_calls(batch, config.linear_attention.chunk_size)
+    print(f"flat microbatch: {sum(len(t) for t in flat_trajs):,} tokens; tree microbatch: {batch.num_compact:,} "
+          f"compact rows, {batch.num_semantic:,} semantic")
+    modes = {
+        "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
+        "tree": lambda: tree_step(model, batch, plan, dev, 1e6, args.attention),
+    }
+    for name, fn in modes.items():
+        for run in range(2):
+            sync(dev)
+            start = time.perf_counter()
+            fn()
+            sync(dev)
+            print(f"{name} run {run}: {time.perf_counter() - start:.2f} s", flush=True)
+        sites = sync_sites(fn)
+        print(f"{name}: {sum(sites.values())} host synchronisations")
+        for site, count in sites.most_common(10):
+            print(f"  {count:5d}  {site}")
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            fn()
+            sync(dev)
+            wall = time.perf_counter() - start
+        print(f"{name}: wall {wall:.2f} s under the profiler")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
+                                        max_name_column_width=60))
+        model.zero_grad(set_to_none=True)
+    print("command: python -m bench.step_profile " + " ".join(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
