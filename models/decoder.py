@@ -289,7 +289,8 @@ class HybridForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | TreeLayout, *args, **kwargs) -> CausalLMOutput | TreeLMOutput:
         """Flat: `forward(input_ids, position_ids=None, cu_seqlens=None)` -> `flat_forward`.
-        Tree: `forward(layout, attention_backend="dense", chunk_rows=None, entropy=False)` -> `tree_forward`.
+        Tree: `forward(layout, attention_backend="dense", chunk_rows=None, entropy=False, temperature=1.0)` ->
+        `tree_forward`.
 
         The tree form is how tree execution enters the model as a module (`models.tree.execute.tree_logprobs`), so
         that a wrapper of the root (FSDP2's unit of embeddings, final norm and LM head) sees the whole step.
@@ -311,11 +312,16 @@ class HybridForCausalLM(nn.Module):
 
     def tree_forward(
         self, layout: TreeLayout, attention_backend: Backend = "dense", chunk_rows: int | None = None,
-        entropy: bool = False,
+        entropy: bool = False, temperature: float = 1.0,
     ) -> TreeLMOutput:
         """`tree_hidden_states` plus `compact_logprobs` (`chunk_rows`: rows per vocabulary chunk, default ~512 MiB
-        of fp32 scratch)."""
+        of fp32 scratch). Log-probs and entropies are those of softmax(logits / temperature), the distribution a
+        rollout engine sampled from: the final-normed rows `[C, D]` are divided by the temperature before the LM
+        head (`hidden` of the output stays undivided)."""
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature}")
         out = self.tree_hidden_states(layout, attention_backend)
-        result = self.compact_logprobs(out.hidden, layout, chunk_rows, entropy)
+        hidden_CD = out.hidden if temperature == 1.0 else out.hidden / temperature
+        result = self.compact_logprobs(hidden_CD, layout, chunk_rows, entropy)
         logprobs, entropy_S = result if entropy else (result, None)
         return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)

@@ -102,8 +102,8 @@ class PipelinePart(nn.Module):
                 entropy: bool = False) -> tuple[torch.Tensor, ...]:
         """x: token ids `[Cm]` (first stage) or hidden rows `[Cm, D]`; stats: packed MoE statistics of the layers
         before, if any. Returns (hidden `[Cm, D]`, [stats]) to the next stage, or on the last stage (log-probs `[S]`
-        of softmax(logits / temperature), final-normed hidden / temperature `[C, D]`, [entropies `[S]`], [stats of
-        all MoE layers]): what `parallel.step.train_step` gets from the model."""
+        of softmax(logits / temperature), final-normed hidden `[C, D]`, [entropies `[S]`], [stats of all MoE
+        layers]): what `HybridForCausalLM.tree_forward(..., temperature=...)` returns to `parallel.step.train_step`."""
         C = ctx.layout.tokens.shape[0]
         h_CD = self.model.embed_tokens(x[:C]) if self.is_first else x[:C]
         moe = _unpack_stats(stats, self.num_experts)
@@ -115,11 +115,9 @@ class PipelinePart(nn.Module):
         if not self.is_last:
             return (F.pad(h_CD, (0, 0, 0, x.shape[0] - C)), *packed)
         hidden_CD = self.model.norm(h_CD)
-        if temperature != 1.0:
-            hidden_CD = hidden_CD / temperature
         layout = ctx.layout
-        result = compact_logprobs(hidden_CD, self.lm_head.weight, layout.logit_row, layout.target,
-                                  chunk_rows=chunk_rows, entropy=entropy)
+        result = compact_logprobs(hidden_CD if temperature == 1.0 else hidden_CD / temperature, self.lm_head.weight,
+                                  layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy)
         logprobs_S, *entropy_S = result if entropy else (result,)
         return (logprobs_S, hidden_CD, *entropy_S, *packed)
 

@@ -18,8 +18,7 @@ the single-process gradient of the whole step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -158,23 +157,6 @@ def _checked(microbatches: Sequence, dp_group: dist.ProcessGroup | None, device:
         _check_equal_counts(len(microbatches), dp_group, device)
 
 
-@contextmanager
-def _tempered(model: HybridForCausalLM, temperature: float) -> Iterator[None]:
-    """Make the model's log-probs those of softmax(logits / temperature), the distribution the rollout engine
-    sampled from (vLLM's "processed_logprobs"): the final norm's output `[C, D]` is divided by the temperature while
-    the context is open, which scales the logits of the plain and the vocabulary-parallel LM head alike."""
-    if not temperature > 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
-    if temperature == 1.0:
-        yield
-        return
-    handle = model.model.norm.register_forward_hook(lambda module, args, hidden_CD: hidden_CD / temperature)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def train_step(
     model: HybridForCausalLM,
     microbatches: Sequence[Microbatch | Sequence[Trajectory]],
@@ -192,7 +174,8 @@ def train_step(
     collectives); `StepMetrics.non_finite` names the first one.
 
     Args:
-        model: a plain HybridForCausalLM (single process) or one wrapped by `parallelize_hybrid`.
+        model: a plain HybridForCausalLM (single process), one wrapped by `parallelize_hybrid`, or this rank's
+            pipeline stages (`parallel.pipeline.PipelinedCausalLM`, run by `pipeline_train_step`).
         microbatches: this replica's microbatches in slot order: `Microbatch`es (`pack_microbatch`) or lists of
             trajectories (packed here).
         loss_fn: see `MicrobatchLoss`.
@@ -203,6 +186,12 @@ def train_step(
         temperature: log-probs (and entropies) are those of softmax(logits / temperature).
         entropy: compute the `[S]` entropies (`output.entropy` of the loss function).
     """
+    from parallel.pipeline import PipelinedCausalLM, pipeline_train_step  # parallel.pipeline imports this module
+
+    if isinstance(model, PipelinedCausalLM):
+        return pipeline_train_step(model, microbatches, loss_fn, dp_group=dp_group,
+                                   attention_backend=attention_backend, chunk_rows=chunk_rows,
+                                   temperature=temperature, entropy=entropy)
     device = next(model.parameters()).device
     _checked(microbatches, dp_group, device)
     extras: dict[str, torch.Tensor] = {}
@@ -210,26 +199,25 @@ def train_step(
     losses = []
     rows = tokens = calls = 0
     forward_seconds = backward_seconds = 0.0
-    with _tempered(model, temperature):
-        for item in microbatches:
-            mb = item if isinstance(item, Microbatch) else pack_microbatch(item, model.config, device)
-            start = time.perf_counter()
-            output = model(mb.layout, attention_backend, chunk_rows=chunk_rows, entropy=entropy)
-            loss, metrics = loss_fn(output.logprobs, mb.batch, output)
-            middle = time.perf_counter()
-            loss.backward()
-            forward_seconds += middle - start
-            backward_seconds += time.perf_counter() - middle
-            losses.append(loss.detach().to(torch.float64))
-            for k, v in metrics.items():
-                extras[k] = extras.get(k, 0.0) + v.detach().to(torch.float64)
-            counts = [None if s is None else s.expert_counts for s in output.moe_stats]
-            expert_counts = counts if not expert_counts else [
-                None if a is None else a + b for a, b in zip(expert_counts, counts)
-            ]
-            rows += mb.batch.num_compact
-            tokens += mb.batch.num_semantic
-            calls += mb.num_rounds
+    for item in microbatches:
+        mb = item if isinstance(item, Microbatch) else pack_microbatch(item, model.config, device)
+        start = time.perf_counter()
+        output = model(mb.layout, attention_backend, chunk_rows=chunk_rows, entropy=entropy, temperature=temperature)
+        loss, metrics = loss_fn(output.logprobs, mb.batch, output)
+        middle = time.perf_counter()
+        loss.backward()
+        forward_seconds += middle - start
+        backward_seconds += time.perf_counter() - middle
+        losses.append(loss.detach().to(torch.float64))
+        for k, v in metrics.items():
+            extras[k] = extras.get(k, 0.0) + v.detach().to(torch.float64)
+        counts = [None if s is None else s.expert_counts for s in output.moe_stats]
+        expert_counts = counts if not expert_counts else [
+            None if a is None else a + b for a, b in zip(expert_counts, counts)
+        ]
+        rows += mb.batch.num_compact
+        tokens += mb.batch.num_semantic
+        calls += mb.num_rounds
     losses_K = torch.stack(losses)
     finite_K = torch.isfinite(losses_K).cpu()
     return StepMetrics(
@@ -252,7 +240,11 @@ def score(
 ) -> list[torch.Tensor]:
     """`[S]` float64 log-probs of softmax(logits / temperature) for every microbatch under `model`, without a
     graph (old or reference log-probs). Arguments as `train_step`."""
+    from parallel.pipeline import PipelinedCausalLM, pipeline_score  # parallel.pipeline imports this module
+
+    if isinstance(model, PipelinedCausalLM):
+        return pipeline_score(model, microbatches, dp_group=dp_group, attention_backend=attention_backend,
+                              chunk_rows=chunk_rows, temperature=temperature)
     _checked(microbatches, dp_group, next(model.parameters()).device)
-    with _tempered(model, temperature):
-        return [model(mb.layout, attention_backend, chunk_rows=chunk_rows).logprobs.to(torch.float64)
-                for mb in microbatches]
+    return [model(mb.layout, attention_backend, chunk_rows=chunk_rows, temperature=temperature).logprobs.to(
+        torch.float64) for mb in microbatches]

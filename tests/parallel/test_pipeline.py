@@ -1,7 +1,9 @@
 """Pipeline parallelism (parallel.pipeline, torch >= 2.14) on gloo CPU ranks: the pipelined step gives the
 single-process loss, every parameter gradient and the expert loads of the whole step packed as one batch, and the
 single-process log-probs (scored at a temperature) and entropies, with the planner's microbatches (of different
-compact row counts) and activation recomputation; below torch 2.14, pp > 1 is refused with the reason."""
+compact row counts) and activation recomputation, through pipeline_train_step / pipeline_score and through
+parallel.step's train_step / score (which hand a PipelinedCausalLM to them); below torch 2.14, pp > 1 is refused
+with the reason."""
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from parallel.launch import init_distributed
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.pipeline import (pipeline_clip_grad_norm_, pipeline_for_job, pipeline_score, pipeline_train_step,
                                stage_layers)
-from parallel.step import pack_microbatch, replica_microbatches, score, step_normalizer, token_weights
+from parallel.step import pack_microbatch, replica_microbatches, score, step_normalizer, token_weights, train_step
 from planner.microbatch import plan_microbatches
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
 
@@ -60,15 +62,17 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
 
     rows = {mb.batch.num_compact for mb in mbs}
     assert len(mbs) >= 2 and len(rows) > 1, f"want microbatches of different row counts, got {len(mbs)}: {rows}"
-    scores = pipeline_score(pipelined, mbs, dp_group=dp_group, temperature=0.7)
-    for got, want in zip(scores, ref_scores, strict=True):
-        assert (got - want).abs().max() <= tol["loss"] * want.abs().max(), "scored log-probs"
+    for score_fn in (pipeline_score, score):
+        scores = score_fn(pipelined, mbs, dp_group=dp_group, temperature=0.7)
+        for got, want in zip(scores, ref_scores, strict=True):
+            assert (got - want).abs().max() <= tol["loss"] * want.abs().max(), f"scored log-probs ({score_fn})"
     total_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
     worst = 0.0
-    for _ in range(2):  # a second step (new schedule, gradients zeroed as by the optimizer) gives the same again
+    # a second step (new schedule, gradients zeroed as by the optimizer; through parallel.step) gives the same again
+    for step_fn in (pipeline_train_step, train_step):
         for p in pipelined.parameters():
             p.grad = None
-        metrics = pipeline_train_step(pipelined, mbs, loss_fn, dp_group=dp_group, entropy=True)
+        metrics = step_fn(pipelined, mbs, loss_fn, dp_group=dp_group, entropy=True)
         step = reduce_step(metrics, dp_group)
         assert step["microbatches"] == len(plan.microbatches) and step["semantic_tokens"] == S
         assert metrics.non_finite is None and metrics.extras.keys() == {"policy"}
