@@ -3,15 +3,19 @@
 Rank 0 is the main rank: it runs the rollout engine, builds the trees, computes advantages and plans the step's
 microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every rank.
 Every rank then trains its DP replica's microbatches (app.train_step, parallel.step) on the model wrapped by
-`parallel.parallelize_for_job` (TP / EP, activation checkpointing, compile, FSDP2).
+`parallel.parallelize_for_job` (TP / EP, activation checkpointing, compile, FSDP2), or with `parallel.pp` > 1
+(torch >= 2.14) on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a replica holds the
+replica's microbatches; parallel.step hands the stages to the pipeline schedule).
 
 - Optimizer: torchtitan's `OptimizersContainer` (AdamW; FQN-keyed state that DCP can reshard).
 - Weights for the engine and the HF export: `policy()` gathers the full state dict from the shards (a collective)
-  into a plain CPU copy of the model held by rank 0 only.
+  into a plain CPU copy of the model held by rank 0 only; under pipeline parallelism the other stages' weights
+  come to rank 0 from the ranks of its pp group.
 - Checkpoints: torchtitan's DCP `CheckpointManager` (`parallel.checkpoint`) in `checkpoint.dir/step-N`, one shard
-  file per rank; a folder counts only once its `.metadata` is written. The job's own state (step counters, run
-  name, rank 0's RNG states, the KL reference's shards) is saved with it. A run resumes under any launch whose
-  layout DCP can reshard to, not from the single-process format (and vice versa).
+  file per rank (under pipeline parallelism each rank saves its stages' entries, named as in the whole model); a
+  folder counts only once its `.metadata` is written. The job's own state (step counters, run name, rank 0's RNG
+  states, the KL reference's shards) is saved with it. A run resumes under any launch whose layout DCP can reshard
+  to, not from the single-process format (and vice versa).
 - Metrics and console output come from rank 0 only (app.rl_job).
 """
 
@@ -35,6 +39,7 @@ from app.trainer import frozen
 from models.decoder import HybridForCausalLM
 from parallel.checkpoint import build_checkpointer, build_optimizers
 from parallel.launch import DistributedJob, parallelize_for_job
+from parallel.pipeline import PipelinedCausalLM, pipeline_for_job
 
 __all__ = ["DistributedTrainer"]
 
@@ -78,10 +83,11 @@ class DistributedTrainer:
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
         self.full_copy = copy.deepcopy(model) if self.is_main else None
+        wrap = pipeline_for_job if job.config.pp > 1 else parallelize_for_job
         # The KL reference exists from the start so that every checkpoint has the same entries; it is set to the
         # policy when RL begins (freeze_reference).
-        self.reference = frozen(parallelize_for_job(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None
-        self.model = parallelize_for_job(model, job)
+        self.reference = frozen(wrap(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None
+        self.model = wrap(model, job)
         self.optimizer = build_optimizers(self.model, lr=c.train.lr, weight_decay=c.train.weight_decay,
                                           betas=tuple(c.train.betas), implementation="for-loop")
         self.folder = Path(c.checkpoint.dir)
@@ -110,11 +116,26 @@ class DistributedTrainer:
 
     def policy(self) -> HybridForCausalLM | None:
         """Gather the full weights (every rank takes part) into rank 0's CPU copy and return it (None elsewhere)."""
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if isinstance(self.model, PipelinedCausalLM):
+            full = self._gathered_stages()
+        else:
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return None
         self.full_copy.load_state_dict(full)
         return self.full_copy
+
+    def _gathered_stages(self) -> dict[str, torch.Tensor]:
+        """The full state dict of every pipeline stage on rank 0 (empty elsewhere): each rank gathers its stages'
+        tensors from the FSDP2 shards, and the ranks of rank 0's pp group send theirs to it (on the CPU)."""
+        stages = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        group = self.model.pp_group
+        if 0 not in dist.get_process_group_ranks(group):
+            return {}
+        parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size(group))] \
+            if self.is_main else None
+        dist.gather_object({k: v.cpu() for k, v in stages.items()}, parts, dst=0, group=group)
+        return {k: v for part in parts for k, v in part.items()} if self.is_main else {}
 
     @torch.no_grad()
     def freeze_reference(self) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from app.config import JobConfig
 from app.config_loader import ConfigError
+from parallel.config import pipeline_support
 
 __all__ = ["launch_size", "device_type", "check_multi_rank", "torchrun_command", "under_torchrun"]
 
@@ -41,11 +42,9 @@ def device_type(config: JobConfig) -> str:
 
 def check_multi_rank(config: JobConfig) -> None:
     """Raise ConfigError for what a job of several ranks cannot do."""
-    if config.parallel.pp > 1:
-        raise ConfigError(
-            f"`parallel.pp` = {config.parallel.pp}: the RL job does not run pipeline stages (parallel/pipeline.py's "
-            "pipeline_train_step is not wired into it); set pp = 1"
-        )
+    reason = pipeline_support()
+    if config.parallel.pp > 1 and reason is not None:
+        raise ConfigError(f"`parallel.pp` = {config.parallel.pp}: {reason}; set pp = 1")
     if config.rollout.engine == "vllm":
         raise ConfigError(
             "`rollout.engine` = 'vllm' with several ranks: the in-process vLLM engine (rollout/vllm_engine.py) "

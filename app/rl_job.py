@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 from rich.console import Console
+from torch import nn
 
 from app.advantages import assign_advantages
 from app.checkpoint import rng_state, set_rng_state
@@ -103,7 +104,8 @@ def _build_trainer(config: JobConfig, model: HybridForCausalLM):
         check_multi_rank(config)
         resolve_device(config.train.device)
         try:
-            config.parallel.resolved(int(os.environ["WORLD_SIZE"])).validate(model.config)
+            config.parallel.resolved(int(os.environ["WORLD_SIZE"])).validate(model.config,
+                                                                               pipelined=config.parallel.pp > 1)
         except (ValueError, NotImplementedError) as e:
             raise ConfigError(f"[parallel]: {e}") from None
         return DistributedTrainer(config, model, init_distributed(config.parallel, device_type(config)))
@@ -222,7 +224,9 @@ class _Job:
         rate = self.config.train.expert_bias_rate
         if rate == 0:
             return
-        for layer, counts in zip(self.trainer.model.model.layers, expert_counts):
+        layers = self.trainer.model.model.layers  # under pipeline parallelism: this rank's, keyed by layer index
+        for i, layer in layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers):
+            counts = expert_counts[int(i)]
             if counts is not None and layer.mlp.config.expert_bias:
                 layer.mlp.gate.update_expert_bias(counts, rate)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from models.decoder import DecoderOutput
 from models.moe import MoEStats
 from parallel.grad_norm import clip_grad_norm_
+from parallel.pipeline import PipelinedCausalLM, pipeline_clip_grad_norm_
 from parallel.step import (
     Microbatch, StepNormalizer, pack_microbatch, replica_microbatches, step_normalizer, token_weights,
 )
@@ -116,9 +117,11 @@ def prepare_step(
 
 
 def optimizer_step(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> tuple[float, bool]:
-    """Clip the global gradient norm (over every mesh of a parallelized model: `parallel.grad_norm`) and step; a
-    non-finite norm skips the update. Returns (norm, stepped). Gradients are zeroed either way."""
-    norm = clip_grad_norm_(model, grad_clip if grad_clip > 0 else float("inf"))
+    """Clip the global gradient norm (over every mesh of a parallelized model: `parallel.grad_norm`, and over the
+    pipeline stages of a `parallel.pipeline.PipelinedCausalLM`) and step; a non-finite norm skips the update.
+    Returns (norm, stepped). Gradients are zeroed either way."""
+    clip = pipeline_clip_grad_norm_ if isinstance(model, PipelinedCausalLM) else clip_grad_norm_
+    norm = clip(model, grad_clip if grad_clip > 0 else float("inf"))
     stepped = bool(torch.isfinite(norm))
     if stepped:
         optimizer.step()

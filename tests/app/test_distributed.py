@@ -2,7 +2,7 @@
 
 Covered on the way: ./run.sh's torchrun re-launch (`python -m app` with [parallel] degrees above 1), rank 0's torch
 engine, trees and plan for D replicas shared with every rank, each rank's replica step (parallel.step.train_step
-under FSDP2 and FSDP2 x TP), step metrics summed over replicas, weight sync from the gathered shards, DCP
+under FSDP2 and FSDP2 x TP, and pipeline stages on torch >= 2.14), step metrics summed over replicas, weight sync from the gathered shards, DCP
 checkpoints and --resume, the HF export from rank 0.
 
 float64 models: the runs differ only in summation order (the step is split into microbatches for D replicas,
@@ -25,11 +25,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from app.__main__ import main
 from models.hf_io import load_hf
+from parallel.config import pipeline_support
 from tests.app.jobs import write_job
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOAT64_JOB = ["--model.dtype=float64", "--train.moe_aux_loss_coef=0", "--train.sft_steps=1", "--train.steps=2"]
 PPO_KL = ["--rl.objective=ppo", "--rl.epochs=2", "--rl.kl_coef=0.1", "--rollout.temperature=0.8"]
+PP = ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B"]
 TOL = 1e-9
 
 
@@ -103,6 +105,30 @@ def test_four_ranks_fsdp_x_tp_with_ppo_kl_and_temperature_equal_one_process(tmp_
     assert_same_run(got, want)
     kl = scalars(got, "train/kl")
     assert kl[2] == 0.0 and kl[3] > 0.0  # RL starts at the reference
+
+
+@pytest.mark.skipif(pipeline_support() is not None, reason=f"pipeline parallelism needs torch >= 2.14 (installed: "
+                    f"{torch.__version__}); run under a torch 2.14 environment")
+def test_two_pipeline_stages_with_ppo_kl_and_a_resume_equal_one_process(tmp_path):
+    """pp = 2 (Interleaved1F1B: an SFT step of the tiny job is one microbatch, fewer than 1F1B's pp): the policy
+    and the KL reference as two stages per rank, old / reference log-probs at a temperature,
+    clipping over both stages, the weights of both stages gathered on rank 0, DCP checkpoints of the stages."""
+    want = single_process(tmp_path, "one", *PPO_KL)
+    got = tmp_path / "pp"
+    got.mkdir()
+    write_job(got)
+    out = launch(got, 2, *FLOAT64_JOB, *PPO_KL, *PP, "--train.steps=1")
+    assert "RL step   1/1" in out and (got / "ck" / "step-2" / ".metadata").is_file()
+    out = launch(got, 2, *FLOAT64_JOB, *PPO_KL, *PP, "--resume")
+    assert "resumed from" in out and "RL step   2/2" in out and "exported the policy" in out
+    assert_same_run(got, want)
+
+
+@pytest.mark.skipif(pipeline_support() is None, reason="torch >= 2.14 runs pipeline parallelism")
+def test_pipeline_stages_refused_below_torch_2_14(tmp_path, capsys):
+    assert main([str(write_job(tmp_path)), "--parallel.pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "`parallel.pp` = 2: torch" in err and "pipeline parallelism needs torch >= 2.14; set pp = 1" in err
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="this node could run configs/node-8gpu.toml")
