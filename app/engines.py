@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
 from app.config import RolloutSection
 from app.torch_engine import TorchEngine
 from models.decoder import HybridForCausalLM
@@ -26,12 +28,15 @@ __all__ = ["build_engine"]
 def _vllm_engine(section: RolloutSection, model: HybridForCausalLM, tokenizer) -> Engine:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from rollout.vllm_process import VLLMProcessEngine
 
+    # Under torchrun (rank 0) an in-process engine would join the trainers' process group and hang: spawn it instead.
+    engine_class = VLLMProcessEngine if torch.distributed.is_initialized() else VLLMEngine
     v = section.vllm
     with tempfile.TemporaryDirectory(prefix="arbor-engine-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         tokenizer.save_pretrained(folder)
-        engine = VLLMEngine(
+        engine = engine_class(
             VLLMEngineConfig(
                 model=folder, dtype=v.dtype, max_model_len=section.max_model_len,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, gpu_memory_utilization=v.gpu_memory_utilization,

