@@ -96,7 +96,6 @@ def test_to_toml_shows_unset_values():
         (["--model.preset=tiny"], r"`model.preset` must be one of"),
         (["--model.vocab_size=50"], r"`model.vocab_size`: `vocab_size` must be at least 106"),
         (["--planner.chunk_size=32"], r"`planner.chunk_size` = 32 differs from the model's linear-attention chunk"),
-        (["--parallel.tp=2"], r"`rollout.engine` = 'vllm' with several ranks"),
     ],
 )
 def test_job_config_errors_exit_2(tmp_path, capsys, overrides, message):
