@@ -52,8 +52,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class VLLMSection:
-    """Settings of the in-process vLLM engine (rollout.vllm_engine.VLLMEngineConfig without the model path, which
-    the app fills with an export of the current policy)."""
+    """Settings of the vLLM engine (rollout.vllm_engine.VLLMEngineConfig without the model path, which the app fills
+    with an export of the current policy)."""
 
     dtype: str = "bfloat16"
     """Serving dtype; hybrid GDN/KDA models need "bfloat16" on CPU."""
@@ -72,8 +72,9 @@ class RolloutSection(RolloutConfig):
     """The branching policy (RolloutConfig's fields), the engine and the environment."""
 
     engine: Literal["vllm", "torch"] = "vllm"
-    """"vllm": in-process vLLM (rollout.vllm_engine). "torch": the trainer's own model decoding without a KV cache
-    (app/torch_engine.py): slow, exact, and reproducible with `rollout.seed` (tests, machines without vLLM)."""
+    """"vllm": vLLM (rollout.vllm_engine; in a child process of rank 0 under torchrun, rollout.vllm_process). "torch":
+    the trainer's own model decoding without a KV cache (app/torch_engine.py): slow, exact, and reproducible with
+    `rollout.seed` (tests, machines without vLLM)."""
     env: str = "calculator"
     """Environment: a built-in name ("calculator") or "package.module:Class" (a rollout.envs.Environment)."""
     env_options: dict[str, Any] = field(default_factory=dict)
