@@ -22,6 +22,16 @@ def flat_optimizer_state(optimizers):
     return {k: full(v).clone() for k, v in optimizers.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
+def assert_restored(model, optimizers, saved, saved_optimizer):
+    """Every parameter and every optimizer tensor equals the saved one bit for bit."""
+    for n, p in model.named_parameters():
+        assert torch.equal(full(p), saved[n]), n
+    restored = flat_optimizer_state(optimizers)
+    assert restored.keys() == saved_optimizer.keys() and len(restored) > 2 * len(saved)
+    for k, v in restored.items():
+        assert torch.equal(v, saved_optimizer[k]), k
+
+
 def save_then_resume_resharded(folder):
     config = small_config("tiny-kimi-linear")
 
@@ -51,12 +61,7 @@ def save_then_resume_resharded(folder):
     _, model2, optimizers2, schedulers2, state2, checkpointer2 = build({"tp": 2}, seed=1)
     assert checkpointer2.load()
     assert state2.step == 1 and schedulers2.get_metrics() == lr
-    for n, p in model2.named_parameters():
-        assert torch.equal(full(p), saved[n]), n
-    restored = flat_optimizer_state(optimizers2)
-    assert restored.keys() == saved_optimizer.keys() and len(restored) > 2 * len(saved)
-    for k, v in restored.items():
-        assert torch.equal(v, saved_optimizer[k]), k
+    assert_restored(model2, optimizers2, saved, saved_optimizer)
     checkpointer.close()
     checkpointer2.close()
     dist.barrier()
