@@ -20,7 +20,7 @@ import torch
 
 from bench.workloads import swe_like_step
 from models.tree.attention import tree_attention
-from models.tree.layout import TreeLayout
+from models.tree.layout import build_attention_layout
 from planner.calls import plan_calls
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     print(f"{'C':>8} {'views A':>9} {'mask s':>7} {'branch ms':>10} {'flex ms':>8} {'flex/branch':>11} {'rel err':>8}")
     for mb in plan.microbatches[: args.max_microbatches]:
         batch = pack([trajs[i] for i in mb.trajectories])
-        layout = TreeLayout.build(batch, plan_calls(batch, 64), 4, dev).attention
+        calls = plan_calls(batch, 64)
+        layout = build_attention_layout(batch, calls.physical_to_compact, calls.seq_row_offsets, dev)
         C, H = batch.num_compact, args.heads
         gen = torch.Generator(device=dev).manual_seed(0)
         q, k = (torch.randn(C, H, args.qk_dim, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2))

@@ -351,7 +351,7 @@ def pipeline_train_step(
     return StepMetrics(
         loss=loss, microbatches=len(mbs), compact_rows=sum(mb.batch.num_compact for mb in mbs),
         semantic_tokens=sum(mb.batch.num_semantic for mb in mbs),
-        linear_attention_calls=sum(mb.num_rounds for mb in mbs), extras=extras,
+        linear_attention_calls=sum(mb.linear_attention_calls for mb in mbs), extras=extras,
         expert_counts=[next(it) if t == "moe" else None for t in model.config.ffn_types], non_finite=non_finite,
         forward_seconds=forward_seconds, backward_seconds=total_seconds - forward_seconds,
     )

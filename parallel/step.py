@@ -54,8 +54,12 @@ class Microbatch:
 
     batch: CompactBatch
     layout: TreeLayout
-    num_rounds: int
-    """Packed linear-attention calls per layer (rounds of the call plan)."""
+
+    @property
+    def linear_attention_calls(self) -> int:
+        """Packed linear-attention kernel calls per layer (the plan's rounds, split where a round exports states
+        from inside a sequence: `models.tree.core_calls`)."""
+        return len(self.layout.linear_calls)
 
 
 def pack_microbatch(trajectories: Sequence[Trajectory], model: ModelConfig, device: torch.device) -> Microbatch:
@@ -64,8 +68,7 @@ def pack_microbatch(trajectories: Sequence[Trajectory], model: ModelConfig, devi
     chunk_size = linear.chunk_size if linear is not None else 64
     conv_size = linear.conv_size if linear is not None else 1
     batch = pack(trajectories)
-    calls = plan_calls(batch, chunk_size)
-    return Microbatch(batch, TreeLayout.build(batch, calls, conv_size, device), calls.num_rounds)
+    return Microbatch(batch, TreeLayout.build(batch, plan_calls(batch, chunk_size), conv_size, device))
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class StepMetrics:
     compact_rows: int
     semantic_tokens: int
     linear_attention_calls: int
-    """Packed linear-attention core calls per layer, summed over microbatches (rounds of the plans)."""
+    """Packed linear-attention kernel calls per layer, summed over microbatches
+    (`Microbatch.linear_attention_calls`)."""
     extras: dict[str, float] = field(default_factory=dict)
     """The loss function's metrics, summed."""
     expert_counts: list[torch.Tensor | None] = field(default_factory=list)
@@ -217,7 +221,7 @@ def train_step(
         ]
         rows += mb.batch.num_compact
         tokens += mb.batch.num_semantic
-        calls += mb.num_rounds
+        calls += mb.linear_attention_calls
     losses_K = torch.stack(losses)
     finite_K = torch.isfinite(losses_K).cpu()
     return StepMetrics(
