@@ -8,8 +8,9 @@ Three interchangeable backends, selected by `backend`:
 - "flex": FlexAttention with an O(C) mask function (two int64 vectors captured) and block sparsity.
 - "branch": HARTS's asymmetric packed Q/KV view (§4.2): per branch, queries are its own rows, keys/values are its
   gathered ancestor rows plus its own rows, causal aligned bottom-right (query i of a branch with h ancestors sees
-  view rows j <= h + i); outputs land on the branch's own rows. On CUDA in bf16/fp16 it runs torch's varlen flash
-  kernel, elsewhere a per-branch reference.
+  view rows j <= h + i); outputs land on the branch's own rows. Runs in groups of bounded view rows, regathering
+  in backward (`models.tree.branch_attention`): torch's varlen flash kernels on CUDA in bf16/fp16, the reference
+  kernels elsewhere.
 Projections, norms and RoPE run once per compact row before this; gathers scatter-add their gradients back.
 """
 
@@ -21,7 +22,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from models.attention_core import varlen_flash_causal
+from models.tree.branch_attention import BranchGroup, branch_attention
 
 __all__ = ["TreeAttentionLayout", "tree_attention", "Backend"]
 
@@ -34,18 +35,15 @@ class TreeAttentionLayout:
 
     pre [C]: preorder rank of each physical row; pre_end [C]: exclusive end of its subtree in preorder ranks, so row k
     is an ancestor-or-self of row q iff pre[k] <= pre[q] < pre_end[k].
-    cu_q [N+1]: branch n owns the physical rows [cu_q[n], cu_q[n+1]) (all rows, in order).
-    kv_index [A]: physical rows of the branch views (ancestors root-first, then the branch's own rows);
-    cu_kv [N+1]: view n is kv_index[cu_kv[n]:cu_kv[n+1]].
+    kv_index [A]: physical rows of the branch views, branch after branch (the branches own consecutive physical rows;
+    each view holds the branch's ancestors root-first, then its own rows).
+    groups: the branches split into consecutive kernel calls of bounded view rows (`branch_groups`).
     """
 
     pre: torch.Tensor
     pre_end: torch.Tensor
-    cu_q: torch.Tensor
     kv_index: torch.Tensor
-    cu_kv: torch.Tensor
-    max_q: int
-    max_kv: int
+    groups: list[BranchGroup]
     _block_mask: object = field(default=None, init=False, repr=False)
 
     def block_mask(self):
@@ -70,8 +68,7 @@ class TreeAttentionLayout:
 
     def to(self, device) -> "TreeAttentionLayout":
         return TreeAttentionLayout(
-            self.pre.to(device), self.pre_end.to(device), self.cu_q.to(device), self.kv_index.to(device),
-            self.cu_kv.to(device), self.max_q, self.max_kv,
+            self.pre.to(device), self.pre_end.to(device), self.kv_index.to(device), [g.to(device) for g in self.groups]
         )
 
 
@@ -111,24 +108,6 @@ def _flex(q, k, v, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)[..., :V]
 
 
-def _branch_reference(q, k_view, v_view, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    H = q.shape[1]
-    out = torch.empty(q.shape[0], H, v_view.shape[-1], dtype=q.dtype, device=q.device)
-    cu_q, cu_kv = layout.cu_q.tolist(), layout.cu_kv.tolist()
-    for n in range(len(cu_q) - 1):
-        q_n = q[cu_q[n] : cu_q[n + 1]].to(dtype)
-        k_n = _expand_heads(k_view[cu_kv[n] : cu_kv[n + 1]], H).to(dtype)
-        v_n = _expand_heads(v_view[cu_kv[n] : cu_kv[n + 1]], H).to(dtype)
-        L, A = q_n.shape[0], k_n.shape[0]
-        # Bottom-right causal: query i sees view rows j <= (A - L) + i.
-        mask = torch.arange(A, device=q.device)[None, :] <= (A - L) + torch.arange(L, device=q.device)[:, None]
-        s = torch.einsum("qhk,shk->hqs", q_n, k_n) * scale
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        out[cu_q[n] : cu_q[n + 1]] = torch.einsum("hqs,shv->qhv", p, v_n).to(q.dtype)
-    return out
-
-
 def tree_attention(
     q_CHK: torch.Tensor,
     k_CGK: torch.Tensor,
@@ -152,10 +131,5 @@ def tree_attention(
     if backend == "flex":
         return _flex(q_CHK, k_CGK, v_CGV, layout, scale)
     if backend == "branch":
-        k_view, v_view = k_CGK[layout.kv_index], v_CGV[layout.kv_index]
-        if q_CHK.is_cuda and q_CHK.dtype in (torch.bfloat16, torch.float16):
-            return varlen_flash_causal(
-                q_CHK, k_view, v_view, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, scale
-            )
-        return _branch_reference(q_CHK, k_view, v_view, layout, scale)
+        return branch_attention(q_CHK, k_CGK, v_CGV, layout.kv_index, layout.groups, scale)
     raise ValueError(f"`backend` must be 'dense', 'flex' or 'branch', got {backend!r}")

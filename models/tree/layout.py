@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from models.tree.attention import TreeAttentionLayout
+from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
 from planner.pack import CompactBatch
 
@@ -33,7 +34,8 @@ def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
 
 
 def build_attention_layout(
-    batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, device=None
+    batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, device=None,
+    max_view_rows: int | None = None,
 ) -> TreeAttentionLayout:
     """TreeAttentionLayout for rows in physical order.
 
@@ -41,6 +43,8 @@ def build_attention_layout(
         batch: the packed microbatch (compact rows in trie preorder).
         physical_to_compact: [C] compact row of each physical row.
         cu_seqlens: [N+1] branch boundaries in physical rows; each branch must be one path in position order.
+        max_view_rows: view rows per branch-attention kernel call (default C: no group's gathered keys/values
+            outgrow the microbatch's own).
     """
     physical_to_compact = np.asarray(physical_to_compact, dtype=np.int64)
     compact_to_physical = np.empty_like(physical_to_compact)
@@ -59,11 +63,8 @@ def build_attention_layout(
     return TreeAttentionLayout(
         pre=as_t(physical_to_compact),
         pre_end=as_t(batch.subtree_end[physical_to_compact]),
-        cu_q=as_t(cu),
         kv_index=as_t(np.concatenate(views) if views else np.zeros(0, np.int64)),
-        cu_kv=as_t(cu_kv),
-        max_q=int(np.diff(cu).max(initial=0)),
-        max_kv=int(max(kv_lengths, default=0)),
+        groups=branch_groups(cu, cu_kv, max_view_rows or physical_to_compact.size, device),
     )
 
 

@@ -14,14 +14,14 @@ from tests.planner.trees import rollout_batches
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def segment_order_layout(batch, seed):
+def segment_order_layout(batch, seed, max_view_rows=None):
     """Physical order = segments in a random order (each segment is a path, so a valid branch)."""
     rng = np.random.default_rng(seed)
     segs = rng.permutation(batch.num_segments)
     phys = np.concatenate([np.arange(batch.seg_offsets[g], batch.seg_offsets[g + 1]) for g in segs])
     lengths = np.diff(batch.seg_offsets)[segs]
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    return phys, build_attention_layout(batch, phys, cu)
+    return phys, build_attention_layout(batch, phys, cu, max_view_rows=max_view_rows)
 
 
 def flat_attention(q, k, v, scale):
@@ -36,7 +36,7 @@ def flat_attention(q, k, v, scale):
 @given(rollout_batches(), st.sampled_from(["dense", "flex", "branch"]), st.integers(0, 100))
 def test_tree_attention_equals_trajectory_attention(trajectories, backend, seed):
     batch = pack(trajectories)
-    phys, layout = segment_order_layout(batch, seed)
+    phys, layout = segment_order_layout(batch, seed, max_view_rows=[None, 1, 9][seed % 3])
     g = torch.Generator().manual_seed(seed)
     C, H, G, K, V = batch.num_compact, 4, 2, 8, 6
     q_c = torch.randn(C, H, K, dtype=torch.float64, generator=g)  # per compact row (row-wise projections)
@@ -69,6 +69,29 @@ def test_gradients_accumulate_into_shared_rows():
     assert grads["dense"][1][0].abs().sum() > 0  # the root key is read by every descendant
 
 
+@settings(max_examples=25, deadline=None)
+@given(rollout_batches(), st.sampled_from([None, 1, 6, 20]), st.integers(0, 100))
+def test_branch_groups_gradients_equal_dense(trajectories, max_view_rows, seed):
+    """Grouped branch views (regathered in backward, dk/dv scatter-added over groups) vs the dense mask, with GQA and
+    a value head dim below the key head dim (the kernels' padding)."""
+    batch = pack(trajectories)
+    phys, layout = segment_order_layout(batch, seed, max_view_rows)
+    views = [layout.kv_index[g.kv].numel() for g in layout.groups]
+    assert sum(views) == layout.kv_index.numel() and layout.groups[-1].rows.stop == batch.num_compact
+    assert all(v <= (max_view_rows or batch.num_compact) or len(g.cu_q) == 2 for v, g in zip(views, layout.groups))
+    g = torch.Generator().manual_seed(seed)
+    C, H, G, K, V = batch.num_compact, 4, 2, 8, 6
+    qkv = [torch.randn(C, h, d, dtype=torch.float64, generator=g, requires_grad=True)
+           for h, d in ((H, K), (G, K), (G, V))]
+    w = torch.randn(C, H, V, dtype=torch.float64, generator=g)
+    grads = {}
+    for backend in ("dense", "branch"):
+        out = tree_attention(*qkv, layout, 0.4, backend)
+        grads[backend] = (out.detach(), *torch.autograd.grad((out * w).sum(), qkv))
+    for a, b in zip(grads["branch"], grads["dense"]):
+        assert (a - b).abs().max() < 1e-12
+
+
 def test_unknown_backend():
     from planner.trajectory import Trajectory
 
@@ -77,3 +100,29 @@ def test_unknown_backend():
     x = torch.zeros(2, 1, 2)
     with pytest.raises(ValueError, match="backend"):
         tree_attention(x, x, x, layout, 1.0, "magic")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash branch path needs CUDA")
+def test_branch_flash_groups_on_cuda():
+    """bf16 grouped branch views on torch's flash kernels vs the dense reference (fp32 math), MLA-like head dims."""
+    from planner.trajectory import Trajectory
+
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 50, 300)
+    trajectories = [Trajectory(np.concatenate([prefix[:cut], rng.integers(0, 50, 200)])) for cut in (300, 300, 120, 7)]
+    batch = pack(trajectories)
+    phys, layout = segment_order_layout(batch, 0, max_view_rows=400)
+    layout = layout.to("cuda")
+    assert len(layout.groups) > 1
+    g = torch.Generator(device="cuda").manual_seed(0)
+    C = batch.num_compact
+    qkv = [torch.randn(C, 4, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+           for d in (64, 64, 32)]
+    w = torch.randn(C, 4, 32, device="cuda", dtype=torch.bfloat16, generator=g)
+    res = {}
+    for backend in ("dense", "branch"):
+        out = tree_attention(*qkv, layout, 0.125, backend)
+        res[backend] = (out.detach(), *torch.autograd.grad((out.float() * w.float()).sum(), qkv))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), res["branch"], res["dense"]):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"

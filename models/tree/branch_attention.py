@@ -1,0 +1,114 @@
+"""HARTS's branch views (§4.2) as one autograd Function that keeps no gathered view between forward and backward.
+
+Legend: C compact rows (physical order), H query heads, G key/value heads, K query/key head dim, V value head dim,
+A view rows of one group.
+
+Branch n's queries are its own rows; its keys/values are its ancestors' rows root-first, then its own rows (a view
+gathered by `kv_index`), causal aligned bottom-right. Gathering every view at once costs A = (sum of branch path
+lengths) rows of k and v, and autograd would keep them, and build their gradients, in every attention layer's
+backward: on a 1% SWE step that is 5x the microbatch's own rows, the largest transient of the tree step. Here the
+branches run in consecutive groups whose views hold at most `max(C, longest view)` rows; the forward keeps only the
+compact q/k/v, the output and the log-sum-exp, and the backward gathers each group's views again, runs the kernel's
+backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one group's views and their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.ops.varlen_attention import varlen_kernels
+
+__all__ = ["BranchGroup", "branch_attention", "branch_groups"]
+
+
+@dataclass
+class BranchGroup:
+    """Consecutive branches run by one kernel call.
+
+    rows: their query rows `[start, stop)` (physical order); kv: slice of the layout's `kv_index` with their views;
+    cu_q / cu_kv [n+1]: group-local query and view offsets (int32, on the layout's device); max_q, max_kv: longest.
+    """
+
+    rows: slice
+    kv: slice
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    max_q: int
+    max_kv: int
+
+    def to(self, device) -> "BranchGroup":
+        return BranchGroup(self.rows, self.kv, self.cu_q.to(device), self.cu_kv.to(device), self.max_q, self.max_kv)
+
+
+def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, device=None) -> list[BranchGroup]:
+    """Split branches (queries `cu_q`, views `cu_kv`, both [N+1] on the host) into consecutive groups whose views hold
+    at most `max_view_rows` rows (a longer single view forms a group of its own)."""
+    groups, n, N = [], 0, cu_q.size - 1
+    while n < N:
+        m = n + 1
+        while m < N and cu_kv[m + 1] - cu_kv[n] <= max_view_rows:
+            m += 1
+        q_off, kv_off = cu_q[n : m + 1] - cu_q[n], cu_kv[n : m + 1] - cu_kv[n]
+        groups.append(BranchGroup(
+            rows=slice(int(cu_q[n]), int(cu_q[m])),
+            kv=slice(int(cu_kv[n]), int(cu_kv[m])),
+            cu_q=torch.as_tensor(q_off, dtype=torch.int32, device=device),
+            cu_kv=torch.as_tensor(kv_off, dtype=torch.int32, device=device),
+            max_q=int(np.diff(q_off).max()),
+            max_kv=int(np.diff(kv_off).max()),
+        ))
+        n = m
+    return groups
+
+
+class _BranchAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
+        forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK)
+        K, V = q_CHK.shape[-1], v_CGV.shape[-1]
+        v_CGK = F.pad(v_CGV, (0, K - V)) if V < K else v_CGV  # the kernels share one head dim
+        out_CHK = q_CHK.new_empty(q_CHK.shape)
+        lses = []
+        for g in groups:
+            view = kv_index[g.kv]
+            out_CHK[g.rows], lse = forward_kernel(
+                q_CHK[g.rows], k_CGK[view], v_CGK[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
+            )
+            lses.append(lse)
+        ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHK, *lses)
+        ctx.groups, ctx.scale = groups, scale
+        return out_CHK[..., :V].contiguous() if V < K else out_CHK
+
+    @staticmethod
+    def backward(ctx, dout_CHV):
+        q_CHK, k_CGK, v_CGV, kv_index, out_CHK, *lses = ctx.saved_tensors
+        K, V = q_CHK.shape[-1], v_CGV.shape[-1]
+        v_CGK = F.pad(v_CGV, (0, K - V)) if V < K else v_CGV
+        dout_CHK = F.pad(dout_CHV, (0, K - V)) if V < K else dout_CHV.contiguous()
+        dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
+        for g, lse in zip(ctx.groups, lses):
+            view = kv_index[g.kv]
+            dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
+                dout_CHK[g.rows], q_CHK[g.rows], k_CGK[view], v_CGK[view], out_CHK[g.rows], lse,
+                g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
+            )
+            dk.index_add_(0, view, dk_view)
+            dv.index_add_(0, view, dv_view[..., :V])
+        return dq, dk, dv, None, None, None
+
+
+def branch_attention(q_CHK: torch.Tensor, k_CGK: torch.Tensor, v_CGV: torch.Tensor, kv_index: torch.Tensor,
+                     groups: list[BranchGroup], scale: float) -> torch.Tensor:
+    """Branch-view attention over compact rows -> `[C, H, V]` in q's dtype.
+
+    Args:
+        q_CHK, k_CGK, v_CGV: compact queries/keys/values (G divides H, V <= K).
+        kv_index: [total view rows] physical rows of the views, branch after branch.
+        groups: `branch_groups` of the microbatch.
+        scale: softmax scale.
+    """
+    return _BranchAttention.apply(q_CHK, k_CGK, v_CGV, kv_index, groups, scale)
