@@ -4,10 +4,14 @@
 
 Runs (1) the trajectory-wise reference: the model's flat packed forward over every trajectory separately, twice (the
 rerun shows the reference's own run-to-run noise); (2) Arbor: pack -> minimum-call plan -> tree execution; (3) the
-no-replay ablation: side branches start from the parent's state at the fork (no chunk-aligned replay). For (2) and
-(3) it reports, against (1): max |logprob diff|, |loss diff| of a per-token policy loss with random advantages,
-max over parameters of ||g_tree - g_flat|| / ||g_flat||, |MoE aux loss diff|, the mean token-wise full-vocabulary
-logit cosine (HARTS eq. 27), and per state-handoff depth the mean symmetric KL and mean |delta NLL| (eqs. 24-26).
+no-replay ablation: side branches start from the parent's state at the fork (no chunk-aligned replay); (4) the
+reference again with the trajectories packed in reverse order (equally valid trajectory-wise training: in bf16 a
+row's value can depend on the shapes of the calls it is part of, so this is the reference's own packing noise).
+For (2)-(4) it reports, against (1): max |logprob diff|, |loss diff| of a per-token policy loss with random
+advantages, max over parameters of ||g_tree - g_flat|| / ||g_flat||, |MoE aux loss diff|, the mean token-wise
+full-vocabulary logit cosine (HARTS eq. 27), and per state-handoff depth the mean symmetric KL and mean |delta NLL|
+(eqs. 24-26). With `--oracle`, the same metrics of (1), (2) and (4) against the same weights run flat in float64
+(the question behind them: is tree execution less accurate than trajectory-wise execution?).
 """
 
 from __future__ import annotations
@@ -103,14 +107,20 @@ def objective(logprobs, aux, batch: CompactBatch, device):
     return -(adv * mask * logprobs).sum() / mask.sum().clamp(min=1) + 0.01 * aux
 
 
-def flat_run(model, batch: CompactBatch, device) -> Run:
-    """Trajectory-wise reference: every trajectory as its own packed sequence; logits of position s come from the
-    hidden state of position s-1 of the same trajectory."""
+def flat_run(model, batch: CompactBatch, device, reverse: bool = False) -> Run:
+    """Trajectory-wise reference: every trajectory as its own packed sequence (in batch order, or reversed); logits of
+    position s come from the hidden state of position s-1 of the same trajectory."""
     start = time.perf_counter()
+    order = np.arange(batch.num_trajectories)[::-1] if reverse else np.arange(batch.num_trajectories)
+    offsets, lengths = batch.traj_offsets, batch.lengths
+    perm = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])  # packed row -> semantic position
     ids = torch.as_tensor(batch.sem_tokens, device=device)
-    cu = torch.as_tensor(batch.traj_offsets, device=device)
-    pos = torch.as_tensor(np.concatenate([np.arange(len(t)) for t in batch.trajectories]), device=device)
-    out = model.hidden_states(ids, pos, cu)
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[order])]), device=device)
+    pos = torch.as_tensor(np.concatenate([np.arange(lengths[i]) for i in order]), device=device)
+    perm_t = torch.as_tensor(perm, device=device)
+    out = model.hidden_states(ids[perm_t], pos, cu)
+    if reverse:
+        out.hidden = out.hidden[torch.as_tensor(np.argsort(perm), device=device)]
     S = ids.numel()
     valid = torch.as_tensor(batch.logit_row >= 0, device=device)
     prev = torch.arange(S, device=device) - 1
@@ -218,6 +228,14 @@ def run(args) -> dict:
 
     ref = flat_run(model, batch, device)
     rerun = flat_run(model, batch, device)
+    repacked = flat_run(model, batch, device, reverse=True)
+    oracle = None
+    if args.oracle:
+        oracle_model = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64")).to(device)
+        oracle_model.load_state_dict(model.state_dict())
+        oracle_model.set_activation_checkpointing(False)
+        oracle = flat_run(oracle_model, batch, device)
+        del oracle_model
     model.set_activation_checkpointing(args.recompute)
     tree, depth = tree_run(model, batch, device, chunk, True, args.attention)
     no_replay, _ = tree_run(model, batch, device, chunk, False, args.attention)
@@ -237,9 +255,15 @@ def run(args) -> dict:
         "max_handoff_depth": int(plan.handoff_depth.max()),
         **compare(ref, tree, depth, valid, targets),
         "flat_rerun": compare(ref, rerun, depth, valid, targets),
+        "flat_repacked": compare(ref, repacked, depth, valid, targets),
         "no_replay": compare(ref, no_replay, depth, valid, targets),
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
     }
+    if oracle is not None:
+        result["vs_float64"] = {
+            name: compare(oracle, r, depth, valid, targets)
+            for name, r in (("flat", ref), ("arbor", tree), ("flat_repacked", repacked))
+        }
     return result
 
 
@@ -248,13 +272,19 @@ def print_table(r: dict) -> None:
     print(f"{r['num_trajectories']} trajectories, S={r['semantic_tokens']}, C={r['compact_tokens']}, "
           f"{r['num_rounds']} rounds, replay {r['total_replay']}, handoff depth <= {r['max_handoff_depth']}")
     keys = ["logprob_max_abs_diff", "loss_abs_diff", "grad_max_rel_diff", "moe_aux_abs_diff", "mean_logit_cosine"]
-    print(f"{'metric':<24}{'arbor':>14}{'no_replay':>14}{'flat_rerun':>14}")
-    for k in keys:
-        print(f"{k:<24}{r[k]:>14.4e}{r['no_replay'][k]:>14.4e}{r['flat_rerun'][k]:>14.4e}")
-    print(f"{'depth':<8}{'symkl arbor':>14}{'symkl no_rep':>14}{'|dNLL| arbor':>14}{'|dNLL| no_rep':>14}")
+    cell = lambda d, k: f"{d[k]:>14.8f}" if k == "mean_logit_cosine" else f"{d[k]:>14.4e}"  # noqa: E731
+    columns = {"vs flat": {"arbor": r, **{n: r[n] for n in ("no_replay", "flat_rerun", "flat_repacked")}}}
+    if "vs_float64" in r:
+        columns["vs float64 flat"] = r["vs_float64"]
+    for title, runs in columns.items():
+        print(f"{title:<24}" + "".join(f"{n:>14}" for n in runs))
+        for k in keys:
+            print(f"{k:<24}" + "".join(cell(d, k) for d in runs.values()))
+    runs = {"arbor": r, "no_replay": r["no_replay"], "repacked": r["flat_repacked"]}
+    print(f"{'depth':<8}" + "".join(f"{'symkl ' + n:>18}" for n in runs) + f"{'|dNLL| arbor':>14}")
     for d in r["symkl_by_depth"]:
-        print(f"{d:<8}{r['symkl_by_depth'][d]:>14.3e}{r['no_replay']['symkl_by_depth'][d]:>14.3e}"
-              f"{r['mean_abs_dnll_by_depth'][d]:>14.3e}{r['no_replay']['mean_abs_dnll_by_depth'][d]:>14.3e}")
+        print(f"{d:<8}" + "".join(f"{x['symkl_by_depth'].get(d, float('nan')):>18.3e}" for x in runs.values())
+              + f"{r['mean_abs_dnll_by_depth'][d]:>14.3e}")
     print(r["command"])
 
 
@@ -269,6 +299,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, default=None, help="linear-attention chunk size (preset default)")
     parser.add_argument("--recompute", action="store_true", help="full-layer activation recomputation in tree mode")
     parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--depth", type=int, default=5, help="nested forks per generated tree")
     parser.add_argument("--tail", type=int, default=None, help="new tokens per generated branch (default: one chunk)")
@@ -277,6 +309,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.oracle and args.dtype == "float64":
+        parser.error("--oracle compares against float64: run it with --dtype float32 or bfloat16")
     try:
         result = run(args)
     except ValueError as e:

@@ -25,6 +25,21 @@ def test_generated_trees(capsys, model):
     assert r["mean_logit_cosine"] == pytest.approx(1.0, abs=1e-12)
     assert set(r["symkl_by_depth"]) == {str(d) for d in range(r["max_handoff_depth"] + 1)}
     assert r["no_replay"]["logprob_max_abs_diff"] <= 1e-10  # float64: the ablation only changes rounding
+    assert r["flat_repacked"]["logprob_max_abs_diff"] <= 1e-10
+
+
+def test_float32_against_float64_oracle(capsys):
+    """The oracle column: each float32 execution against the same weights run in float64."""
+    assert main(["--model", "tiny-kimi-linear", "--depth", "3", "--tail", "16", "--chunk-size", "32",
+                 "--dtype", "float32", "--oracle", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for name in ("flat", "arbor", "flat_repacked"):
+        o = r["vs_float64"][name]
+        assert 0 < o["logprob_max_abs_diff"] < 1e-4, name  # float32 rounding: present, and small
+        assert o["mean_logit_cosine"] > 1 - 1e-9
+    with pytest.raises(SystemExit):
+        main(["--dtype", "float64", "--oracle"])
+    assert "--oracle compares against float64" in capsys.readouterr().err
 
 
 def test_user_trajectories_and_recompute(tmp_path, capsys):
