@@ -100,10 +100,9 @@ def _rows(index: np.ndarray, device) -> torch.Tensor | slice:
 
 @dataclass
 class CoreCallTensors:
-    """One linear-attention kernel call (`models.tree.core_calls.CoreCall`) on a device."""
+    """One linear-attention kernel call (`models.tree.core_calls.CoreCall`) on a device; its input rows are the
+    call's part of `TreeLayout.linear_gather`."""
 
-    gather: torch.Tensor | slice
-    """[T_k] physical rows fed to the kernel (a slice when contiguous)."""
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
@@ -116,7 +115,6 @@ class CoreCallTensors:
     def build(call: CoreCall, device) -> "CoreCallTensors":
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         return CoreCallTensors(
-            gather=_rows(call.gather, device),
             cu_seqlens=cu.to(device),
             cu_seqlens_cpu=cu,
             init_state=None if not call.init_state.any() else torch.as_tensor(call.init_state, device=device),
@@ -135,6 +133,9 @@ class TreeLayout:
     conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
     linear_calls, linear_order: the linear-attention kernel calls in order, and the permutation [C] from their
         concatenated kept outputs to physical order (None: already in order).
+    linear_gather, linear_call_rows: the physical rows fed to all calls, call after call (a slice when contiguous),
+        and each call's number of them: one gather and one split per input, so backward scatters each input's
+        gradient once instead of once per call.
     attention: full-attention visibility and branch views.
     logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
     """
@@ -146,6 +147,8 @@ class TreeLayout:
     conv_context: torch.Tensor
     linear_calls: list[CoreCallTensors]
     linear_order: torch.Tensor | None
+    linear_gather: torch.Tensor | slice
+    linear_call_rows: list[int]
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
     target: torch.Tensor
@@ -167,6 +170,8 @@ class TreeLayout:
             conv_context=as_t(conv_context_rows(batch, p2c, plan.seq_row_offsets, conv_size)),
             linear_calls=[CoreCallTensors.build(c, device) for c in calls],
             linear_order=None if order is None else as_t(order),
+            linear_gather=_rows(np.concatenate([c.gather for c in calls]), device),
+            linear_call_rows=[int(c.gather.size) for c in calls],
             attention=build_attention_layout(batch, p2c, plan.seq_row_offsets, device),
             logit_row=as_t(logit_row),
             target=as_t(batch.sem_tokens),

@@ -45,9 +45,11 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     table = [inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)]
     outputs = []
-    for call in layout.linear_calls:
+    pieces = [t[layout.linear_gather].split(layout.linear_call_rows)
+              for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
+    for i, call in enumerate(layout.linear_calls):
         h0 = None if call.init_state is None else torch.cat(table)[call.init_state]
-        gathered = CoreInputs(*(t[call.gather] for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)))
+        gathered = CoreInputs(*(p[i] for p in pieces))
         o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
         outputs.append(o[call.output_pos])
         table.append(final.to(state_dtype))
