@@ -155,6 +155,15 @@ def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, 
     return run, depth_c[prev_rows]
 
 
+def float64_run(model, batch: CompactBatch, device) -> Run:
+    """The flat reference with the same weights in float64 (reference kernels; every layer recomputed in backward:
+    the float64 chunkwise reference keeps a state per chunk, too much to hold for all layers at once)."""
+    oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64")).to(device)
+    oracle.load_state_dict(model.state_dict())
+    oracle.set_activation_checkpointing(True)
+    return flat_run(oracle, batch, device)
+
+
 def _sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -229,16 +238,10 @@ def run(args) -> dict:
     ref = flat_run(model, batch, device)
     rerun = flat_run(model, batch, device)
     repacked = flat_run(model, batch, device, reverse=True)
-    oracle = None
-    if args.oracle:
-        oracle_model = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64")).to(device)
-        oracle_model.load_state_dict(model.state_dict())
-        oracle_model.set_activation_checkpointing(False)
-        oracle = flat_run(oracle_model, batch, device)
-        del oracle_model
     model.set_activation_checkpointing(args.recompute)
     tree, depth = tree_run(model, batch, device, chunk, True, args.attention)
     no_replay, _ = tree_run(model, batch, device, chunk, False, args.attention)
+    oracle = float64_run(model, batch, device) if args.oracle else None
     plan = plan_calls(batch, chunk)
     result = {
         "model": args.hf or args.model,
