@@ -107,20 +107,28 @@ def objective(logprobs, aux, batch: CompactBatch, device):
     return -(adv * mask * logprobs).sum() / mask.sum().clamp(min=1) + 0.01 * aux
 
 
+def packed_inputs(batch: CompactBatch, device, reverse: bool = False):
+    """Flat packed inputs of the batch's trajectories (in batch order, or reversed): (ids [S], positions [S],
+    cu_seqlens [N+1], unpack) where unpack [S] (or None) returns packed rows to semantic order."""
+    order = np.arange(batch.num_trajectories)[::-1] if reverse else np.arange(batch.num_trajectories)
+    offsets, lengths = batch.traj_offsets, batch.lengths
+    perm = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])  # packed row -> semantic position
+    as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=device)  # noqa: E731
+    ids = as_t(batch.sem_tokens[perm])
+    pos = as_t(np.concatenate([np.arange(lengths[i]) for i in order]))
+    cu = as_t(np.concatenate([[0], np.cumsum(lengths[order])]))
+    return ids, pos, cu, as_t(np.argsort(perm)) if reverse else None
+
+
 def flat_run(model, batch: CompactBatch, device, reverse: bool = False) -> Run:
     """Trajectory-wise reference: every trajectory as its own packed sequence (in batch order, or reversed); logits of
     position s come from the hidden state of position s-1 of the same trajectory."""
     start = time.perf_counter()
-    order = np.arange(batch.num_trajectories)[::-1] if reverse else np.arange(batch.num_trajectories)
-    offsets, lengths = batch.traj_offsets, batch.lengths
-    perm = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])  # packed row -> semantic position
+    ids_packed, pos, cu, unpack = packed_inputs(batch, device, reverse)
+    out = model.hidden_states(ids_packed, pos, cu)
+    if unpack is not None:
+        out.hidden = out.hidden[unpack]
     ids = torch.as_tensor(batch.sem_tokens, device=device)
-    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths[order])]), device=device)
-    pos = torch.as_tensor(np.concatenate([np.arange(lengths[i]) for i in order]), device=device)
-    perm_t = torch.as_tensor(perm, device=device)
-    out = model.hidden_states(ids[perm_t], pos, cu)
-    if reverse:
-        out.hidden = out.hidden[torch.as_tensor(np.argsort(perm), device=device)]
     S = ids.numel()
     valid = torch.as_tensor(batch.logit_row >= 0, device=device)
     prev = torch.arange(S, device=device) - 1
@@ -162,6 +170,42 @@ def float64_run(model, batch: CompactBatch, device) -> Run:
     oracle.load_state_dict(model.state_dict())
     oracle.set_activation_checkpointing(True)
     return flat_run(oracle, batch, device)
+
+
+def layer_outputs(model, forward) -> list[torch.Tensor]:
+    """Every decoder layer's output rows during `forward()` (run without gradients)."""
+    captured = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: captured.append(o[0])) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def per_layer_divergence(model, batch: CompactBatch, plan, layout: TreeLayout, backend: str, device) -> list[dict]:
+    """Per decoder layer, the fraction of semantic positions whose layer output is not bitwise equal to the flat
+    reference's, by the position's handoff depth: for Arbor and for the reference packed in reverse order. Locates
+    where (layer, depth) a low-precision tree run first departs from the reference, and how it spreads."""
+    ids, pos, cu, _ = packed_inputs(batch, device)
+    flat = layer_outputs(model, lambda: model.hidden_states(ids, pos, cu))
+    ids_r, pos_r, cu_r, unpack = packed_inputs(batch, device, reverse=True)
+    repacked = [x[unpack] for x in layer_outputs(model, lambda: model.hidden_states(ids_r, pos_r, cu_r))]
+    sem_rows = torch.as_tensor(plan.compact_to_physical[batch.sem_to_compact], device=device)
+    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(layout, backend))]
+    depth = torch.as_tensor(plan.handoff_depth[batch.sem_to_compact], device=device)
+    depths = torch.unique(depth).tolist()
+
+    def differing(a, b):
+        neq = (a != b).any(-1)
+        return {str(d): neq[depth == d].float().mean().item() for d in depths}
+
+    return [
+        {"layer": i, "type": model.config.layer_types[i], "arbor": differing(t, f), "flat_repacked": differing(r, f)}
+        for i, (f, r, t) in enumerate(zip(flat, repacked, tree))
+    ]
 
 
 def _sync(device):
@@ -243,6 +287,10 @@ def run(args) -> dict:
     no_replay, _ = tree_run(model, batch, device, chunk, False, args.attention)
     oracle = float64_run(model, batch, device) if args.oracle else None
     plan = plan_calls(batch, chunk)
+    if args.per_layer:
+        conv = model.config.linear_attention.conv_size if model.config.linear_attention else 4
+        divergence = per_layer_divergence(model, batch, plan, TreeLayout.build(batch, plan, conv, device),
+                                          args.attention, device)
     result = {
         "model": args.hf or args.model,
         "device": args.device,
@@ -262,6 +310,8 @@ def run(args) -> dict:
         "no_replay": compare(ref, no_replay, depth, valid, targets),
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
     }
+    if args.per_layer:
+        result["per_layer_not_bitwise"] = divergence
     if oracle is not None:
         result["vs_float64"] = {
             name: compare(oracle, r, depth, valid, targets)
@@ -288,6 +338,11 @@ def print_table(r: dict) -> None:
     for d in r["symkl_by_depth"]:
         print(f"{d:<8}" + "".join(f"{x['symkl_by_depth'].get(d, float('nan')):>18.3e}" for x in runs.values())
               + f"{r['mean_abs_dnll_by_depth'][d]:>14.3e}")
+    for row in r.get("per_layer_not_bitwise", []):
+        if row["layer"] == 0:
+            print("rows not bitwise equal to flat, by handoff depth: layer type | arbor | flat repacked")
+        fmt = lambda d: " ".join(f"{v:.3f}" for v in d.values())  # noqa: E731
+        print(f"{row['layer']:>3} {row['type'][:6]:<7}| {fmt(row['arbor'])} | {fmt(row['flat_repacked'])}")
     print(r["command"])
 
 
@@ -304,6 +359,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
     parser.add_argument("--oracle", action="store_true",
                         help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="per layer and handoff depth: rows whose output is not bitwise equal to flat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--depth", type=int, default=5, help="nested forks per generated tree")
     parser.add_argument("--tail", type=int, default=None, help="new tokens per generated branch (default: one chunk)")
