@@ -120,12 +120,13 @@ def packed_inputs(batch: CompactBatch, device, reverse: bool = False):
     return ids, pos, cu, as_t(np.argsort(perm)) if reverse else None
 
 
-def flat_run(model, batch: CompactBatch, device, reverse: bool = False) -> Run:
+def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: bool = True) -> Run:
     """Trajectory-wise reference: every trajectory as its own packed sequence (in batch order, or reversed); logits of
-    position s come from the hidden state of position s-1 of the same trajectory."""
+    position s come from the hidden state of position s-1 of the same trajectory. `grads=False`: no backward."""
     start = time.perf_counter()
     ids_packed, pos, cu, unpack = packed_inputs(batch, device, reverse)
-    out = model.hidden_states(ids_packed, pos, cu)
+    with torch.set_grad_enabled(grads):
+        out = model.hidden_states(ids_packed, pos, cu)
     if unpack is not None:
         out.hidden = out.hidden[unpack]
     ids = torch.as_tensor(batch.sem_tokens, device=device)
@@ -137,7 +138,7 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False) -> Run:
     lp = _logprobs_from(logits, valid, ids, S, device)
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
-    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True) if grads else None
     _sync(device)
     return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
 
@@ -164,12 +165,12 @@ def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, 
 
 
 def float64_run(model, batch: CompactBatch, device) -> Run:
-    """The flat reference with the same weights in float64 (reference kernels; every layer recomputed in backward:
-    the float64 chunkwise reference keeps a state per chunk, too much to hold for all layers at once)."""
-    oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64")).to(device)
+    """The flat reference with the same weights in float64 (reference kernels), forward only: a float64 copy of a
+    large model and its gradients would not fit next to the low-precision runs (ling-3-tiny: 7.8B parameters)."""
+    with torch.device(device):
+        oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64"))
     oracle.load_state_dict(model.state_dict())
-    oracle.set_activation_checkpointing(True)
-    return flat_run(oracle, batch, device)
+    return flat_run(oracle, batch, device, grads=False)
 
 
 def layer_outputs(model, forward) -> list[torch.Tensor]:
@@ -214,8 +215,8 @@ def _sync(device):
 
 
 def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, targets: torch.Tensor) -> dict:
-    grad_rel = 0.0
-    for a, b in zip(other.grads, ref.grads):
+    grad_rel = 0.0 if ref.grads is not None and other.grads is not None else None
+    for a, b in zip(other.grads or (), ref.grads or ()):
         if b is None or a is None:
             continue
         grad_rel = max(grad_rel, ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item())
@@ -280,11 +281,22 @@ def run(args) -> dict:
     targets = torch.as_tensor(batch.sem_tokens, device=device)
 
     ref = flat_run(model, batch, device)
-    rerun = flat_run(model, batch, device)
-    repacked = flat_run(model, batch, device, reverse=True)
+    runs, metrics = {}, {}
+
+    def measure(name, run_):
+        """Compare with the reference now and keep only what later comparisons read (not the gradients)."""
+        metrics[name] = compare(ref, run_, depth, valid, targets)
+        run_.grads = None
+        runs[name] = run_
+
     model.set_activation_checkpointing(args.recompute)
-    tree, depth = tree_run(model, batch, device, chunk, True, args.attention)
-    no_replay, _ = tree_run(model, batch, device, chunk, False, args.attention)
+    arbor, depth = tree_run(model, batch, device, chunk, True, args.attention)
+    measure("arbor", arbor)
+    measure("no_replay", tree_run(model, batch, device, chunk, False, args.attention)[0])
+    model.set_activation_checkpointing(False)
+    measure("flat_rerun", flat_run(model, batch, device))
+    measure("flat_repacked", flat_run(model, batch, device, reverse=True))
+    ref.grads = None
     oracle = float64_run(model, batch, device) if args.oracle else None
     plan = plan_calls(batch, chunk)
     if args.per_layer:
@@ -304,10 +316,8 @@ def run(args) -> dict:
         "num_rounds": plan.num_rounds,
         "total_replay": plan.total_replay,
         "max_handoff_depth": int(plan.handoff_depth.max()),
-        **compare(ref, tree, depth, valid, targets),
-        "flat_rerun": compare(ref, rerun, depth, valid, targets),
-        "flat_repacked": compare(ref, repacked, depth, valid, targets),
-        "no_replay": compare(ref, no_replay, depth, valid, targets),
+        **metrics["arbor"],
+        **{name: metrics[name] for name in ("flat_rerun", "flat_repacked", "no_replay")},
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
     }
     if args.per_layer:
@@ -315,7 +325,7 @@ def run(args) -> dict:
     if oracle is not None:
         result["vs_float64"] = {
             name: compare(oracle, r, depth, valid, targets)
-            for name, r in (("flat", ref), ("arbor", tree), ("flat_repacked", repacked))
+            for name, r in (("flat", ref), ("arbor", runs["arbor"]), ("flat_repacked", runs["flat_repacked"]))
         }
     return result
 
@@ -325,7 +335,11 @@ def print_table(r: dict) -> None:
     print(f"{r['num_trajectories']} trajectories, S={r['semantic_tokens']}, C={r['compact_tokens']}, "
           f"{r['num_rounds']} rounds, replay {r['total_replay']}, handoff depth <= {r['max_handoff_depth']}")
     keys = ["logprob_max_abs_diff", "loss_abs_diff", "grad_max_rel_diff", "moe_aux_abs_diff", "mean_logit_cosine"]
-    cell = lambda d, k: f"{d[k]:>14.8f}" if k == "mean_logit_cosine" else f"{d[k]:>14.4e}"  # noqa: E731
+    def cell(d, k):
+        if d[k] is None:
+            return f"{'-':>14}"
+        return f"{d[k]:>14.8f}" if k == "mean_logit_cosine" else f"{d[k]:>14.4e}"
+
     columns = {"vs flat": {"arbor": r, **{n: r[n] for n in ("no_replay", "flat_rerun", "flat_repacked")}}}
     if "vs_float64" in r:
         columns["vs float64 flat"] = r["vs_float64"]
@@ -334,6 +348,8 @@ def print_table(r: dict) -> None:
         for k in keys:
             print(f"{k:<24}" + "".join(cell(d, k) for d in runs.values()))
     runs = {"arbor": r, "no_replay": r["no_replay"], "repacked": r["flat_repacked"]}
+    if "vs_float64" in r:
+        runs.update({"flat|f64": r["vs_float64"]["flat"], "arbor|f64": r["vs_float64"]["arbor"]})
     print(f"{'depth':<8}" + "".join(f"{'symkl ' + n:>18}" for n in runs) + f"{'|dNLL| arbor':>14}")
     for d in r["symkl_by_depth"]:
         print(f"{d:<8}" + "".join(f"{x['symkl_by_depth'].get(d, float('nan')):>18.3e}" for x in runs.values())
