@@ -9,6 +9,13 @@ groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, d
 scaled by sigmoid(shared_expert_gate x) when gated. This reproduces transformers' Qwen3NextSparseMoeBlock (softmax,
 gated shared expert) and KimiLinearMoE (sigmoid, bias, scaling, ungated shared experts).
 
+The logits GEMM always runs on blocks of `ROUTER_BLOCK_ROWS` rows (the last one zero-padded): BLAS libraries pick
+their kernel and split of the reduction by the problem's shape, so with one call per batch a row's fp32 logits
+could differ in the last bit between a flat microbatch and a tree microbatch of other size; that bit decides the bf16
+rounding of a combine weight now and then, and full attention spreads such a row's change to every descendant
+(measured: `python -m bench.fidelity --device cuda --dtype bfloat16 --per-layer`). With one shape the logits of a
+row do not depend on the other rows of the call.
+
 Router statistics are sums over rows, each row weighted by `row_weight` (tree execution passes the multiplicity of
 a compact row, so a row that stands for q trajectory tokens counts q times), so they add across layers and
 microbatches (`MoEStats.__add__`):
@@ -84,6 +91,18 @@ def router_z_loss(stats: MoEStats) -> torch.Tensor:
     return stats.z_sum / stats.tokens
 
 
+ROUTER_BLOCK_ROWS = 4096
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` -> `[T, E]`, as GEMMs of exactly `ROUTER_BLOCK_ROWS` rows each (see the module docstring)."""
+    T = x_TD.shape[0]
+    blocks = list(x_TD.split(ROUTER_BLOCK_ROWS)) or [x_TD]
+    blocks[-1] = F.pad(blocks[-1], (0, 0, 0, ROUTER_BLOCK_ROWS - blocks[-1].shape[0]))  # only the last is copied
+    logits = [F.linear(block, weight_ED) for block in blocks]
+    return (torch.cat(logits) if len(logits) > 1 else logits[0])[:T]
+
+
 class Router(nn.Module):
     """`weight [E, D]` and, with `expert_bias`, the fp32 buffer `e_score_correction_bias [E]` (transformers' names)."""
 
@@ -97,7 +116,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> Routing:
         c = self.config
         dtype = upcast(x_TD.dtype)
-        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        logits_TE = router_logits(x_TD.to(dtype), self.weight.to(dtype))
         scores_TE = logits_TE.softmax(-1) if c.score_func == "softmax" else logits_TE.sigmoid()
         choice_TE = scores_TE + self.e_score_correction_bias.to(dtype) if c.expert_bias else scores_TE
         if c.num_groups > 1:
