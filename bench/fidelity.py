@@ -347,6 +347,9 @@ def print_table(r: dict) -> None:
         print(f"{title:<24}" + "".join(f"{n:>14}" for n in runs))
         for k in keys:
             print(f"{k:<24}" + "".join(cell(d, k) for d in runs.values()))
+    floor = r["flat_rerun"]["mean_logit_cosine"] - 1e-5
+    print(f"tree-vs-flat cosine {r['mean_logit_cosine']:.8f} vs flat rerun's minus 1e-5 ({floor:.8f}): "
+          + ("not lower" if r["mean_logit_cosine"] >= floor else "LOWER"))
     runs = {"arbor": r, "no_replay": r["no_replay"], "repacked": r["flat_repacked"]}
     if "vs_float64" in r:
         runs.update({"flat|f64": r["vs_float64"]["flat"], "arbor|f64": r["vs_float64"]["arbor"]})
