@@ -91,15 +91,17 @@ def test_update_expert_bias_moves_load_towards_the_mean():
         make("softmax").gate.update_expert_bias(counts, rate=0.01)
 
 
-def test_router_logits_do_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_router_logits_do_not_depend_on_the_other_rows(device):
     """A row's fp32 router logits are bitwise the same in a call of 7 rows, of 5,000 rows and after a shuffle (one
     GEMM per batch is not: on CPU, plain F.linear differs here for 7 rows vs 5,000), and equal x @ W.T."""
     from models.moe import router_logits
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5000, 256, generator=g), torch.randn(64, 256, generator=g)
+    x, w = torch.randn(5000, 256, generator=g).to(device), torch.randn(64, 256, generator=g).to(device)
     full = router_logits(x, w)
-    perm = torch.randperm(5000, generator=g)
+    perm = torch.randperm(5000, generator=g).to(device)
     assert torch.equal(router_logits(x[:7], w), full[:7])
     assert torch.equal(router_logits(x[perm], w), full[perm])
     assert torch.allclose(full, x @ w.T, rtol=1e-5, atol=1e-4)
