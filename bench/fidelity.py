@@ -263,7 +263,7 @@ def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, target
 def run(args) -> dict:
     device = torch.device(args.device)
     model = build_model(args)
-    model.set_activation_checkpointing(False)
+    model.set_activation_checkpointing(args.recompute)
     chunk = model.config.linear_attention.chunk_size if model.config.linear_attention else (args.chunk_size or 64)
     if args.trajectories:
         trajectories = read_jsonl(args.trajectories)
@@ -289,11 +289,9 @@ def run(args) -> dict:
         run_.grads = None
         runs[name] = run_
 
-    model.set_activation_checkpointing(args.recompute)
     arbor, depth = tree_run(model, batch, device, chunk, True, args.attention)
     measure("arbor", arbor)
     measure("no_replay", tree_run(model, batch, device, chunk, False, args.attention)[0])
-    model.set_activation_checkpointing(False)
     measure("flat_rerun", flat_run(model, batch, device))
     measure("flat_repacked", flat_run(model, batch, device, reverse=True))
     ref.grads = None
@@ -374,7 +372,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float64", choices=list(DTYPES))
     parser.add_argument("--chunk-size", type=int, default=None, help="linear-attention chunk size (preset default)")
-    parser.add_argument("--recompute", action="store_true", help="full-layer activation recomputation in tree mode")
+    parser.add_argument("--recompute", action="store_true",
+                        help="full-layer activation recomputation in every run (same forward numerics; large inputs)")
     parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
     parser.add_argument("--oracle", action="store_true",
                         help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")
