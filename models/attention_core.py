@@ -71,27 +71,26 @@ def naive_attention(
     return torch.einsum("hqs,shv->qhv", probs_HQS, v_SHV).to(q_QHK.dtype)
 
 
-def varlen_flash_causal(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """Causal packed attention with torch's varlen flash kernel (CUDA, bf16/fp16); queries `[cu_q[n], cu_q[n+1])`
-    attend to keys `[cu_k[n], cu_k[n+1])`. With fewer queries than keys the causal mask is aligned bottom-right (query
-    i of a sequence with h extra keys sees keys j <= h + i), the FlashAttention >= 2.1 convention; tree views rely on it
-    (`python -m bench.fidelity --device cuda --attention branch` checks it against the dense reference). Returns
-    `[Q, H, V]`."""
+def varlen_flash_causal(q_QHK, k_QGK, v_QGV, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
+    """Causal packed self-attention with torch's varlen flash kernel (CUDA, bf16/fp16): the rows
+    `[cu_seqlens[n], cu_seqlens[n+1])` of q, k and v form sequence n. Returns `[Q, H, V]`. (The tree's branch views,
+    with more keys than queries, call the kernels directly: `models.tree.branch_attention`.)"""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    group = q_QHK.shape[1] // k_SGK.shape[1]
+    group = q_QHK.shape[1] // k_QGK.shape[1]
     if group > 1 and "enable_gqa" not in params:
-        k_SGK, v_SGV = k_SGK.repeat_interleave(group, dim=1), v_SGV.repeat_interleave(group, dim=1)
+        k_QGK, v_QGV = k_QGK.repeat_interleave(group, dim=1), v_QGV.repeat_interleave(group, dim=1)
     # Flash kernels need one head dim for q, k and v: pad v (MLA's value dim is smaller) and cut the output.
-    V = v_SGV.shape[-1]
+    V = v_QGV.shape[-1]
     if V < q_QHK.shape[-1]:
-        v_SGV = F.pad(v_SGV, (0, q_QHK.shape[-1] - V))
+        v_QGV = F.pad(v_QGV, (0, q_QHK.shape[-1] - V))
     kwargs = {"scale": scale}
     kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
     if group > 1 and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
-    out = varlen_attn(q_QHK, k_SGK, v_SGV, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **kwargs)
+    cu = cu_seqlens.to(torch.int32)
+    out = varlen_attn(q_QHK, k_QGK, v_QGV, cu, cu, max_len, max_len, **kwargs)
     return out[..., :V]
 
 
@@ -108,6 +107,5 @@ def attention(
         and q_QHK.is_cuda
         and q_QHK.dtype in (torch.bfloat16, torch.float16)
     ):
-        max_len = mask.max_len
-        return varlen_flash_causal(q_QHK, k_SGK, v_SGV, mask.cu_seqlens, mask.cu_seqlens, max_len, max_len, scale)
+        return varlen_flash_causal(q_QHK, k_SGK, v_SGV, mask.cu_seqlens, mask.max_len, scale)
     return naive_attention(q_QHK, k_SGK, v_SGV, mask.dense(), scale)
