@@ -1,7 +1,7 @@
 """Where one microbatch's time goes, flat vs tree, on one GPU: host synchronisations by source line and the CUDA
 kernels that take the most time (issue 7, item 5).
 
-    python -m bench.step_profile [--model ling-3-tiny] [--scale 0.01] [--capacity 65536] [--attention branch]
+    python -m bench.step_profile [--model ling-3-tiny] [--scale 0.01] [--capacity 65536] [--attention branch] [--json F]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import sys
 import time
 import traceback
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--rows", type=int, default=14, help="kernel table rows")
+    parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
         "tree": lambda: tree_step(model, batch, plan, dev, 1e6, args.attention),
     }
+    dump = {}
     for name, fn in modes.items():
         for run in range(2):
             sync(dev)
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
         print(f"{name}: {sum(sites.values())} host synchronisations")
         for site, count in sites.most_common(10):
             print(f"  {count:5d}  {site}")
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=bool(args.json)) as prof:
             start = time.perf_counter()
             fn()
             sync(dev)
@@ -98,7 +101,15 @@ def main(argv=None) -> int:
         print(f"{name}: wall {wall:.2f} s under the profiler")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
+        if args.json:
+            dump[name] = {"wall_s": wall, "ops": [
+                {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total, "calls": e.count}
+                for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0
+            ]}
         model.zero_grad(set_to_none=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dump, f)
     print("command: python -m bench.step_profile " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0
 
