@@ -28,6 +28,7 @@ import torch
 from bench.branching import nested_fork_trajectories
 from models.decoder import HybridForCausalLM
 from models.hf_io import load_hf
+from models.logprobs import compact_logprobs
 from models.moe import MoEStats, load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
@@ -91,16 +92,6 @@ class Run:
     seconds: float
 
 
-def _logprobs_from(logits_fn, logit_rows_valid, targets, S, device) -> torch.Tensor:
-    """Log-probs [S] in float64 from chunked logits; logit_rows_valid marks positions that have a prediction."""
-    out = torch.zeros(S, dtype=torch.float64, device=device)
-    for lo in range(0, S, POSITION_CHUNK):
-        hi = min(lo + POSITION_CHUNK, S)
-        logp = torch.log_softmax(logits_fn(lo, hi), dim=-1)
-        out[lo:hi] = logp.gather(1, targets[lo:hi, None])[:, 0].double()
-    return torch.where(logit_rows_valid, out, torch.zeros((), dtype=out.dtype, device=device))
-
-
 def objective(logprobs, aux, batch: CompactBatch, device):
     adv = torch.as_tensor(batch.advantage, dtype=torch.float64, device=device)
     mask = torch.as_tensor(batch.loss_mask, dtype=torch.float64, device=device)
@@ -135,7 +126,7 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
     prev = torch.arange(S, device=device) - 1
     prev = torch.where(valid, prev, torch.zeros_like(prev))
     logits = semantic_logits_fn(out.hidden, prev, model.lm_head_weight)
-    lp = _logprobs_from(logits, valid, ids, S, device)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, torch.where(valid, prev, -1), ids).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True) if grads else None
@@ -152,7 +143,7 @@ def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, 
     valid = layout.logit_row >= 0
     rows = torch.where(valid, layout.logit_row, torch.zeros_like(layout.logit_row))
     logits = semantic_logits_fn(out.hidden, rows, model.lm_head_weight)
-    lp = _logprobs_from(logits, valid, layout.target, layout.target.numel(), device)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
