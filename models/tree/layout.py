@@ -106,8 +106,8 @@ class CoreCallTensors:
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
-    init_state: torch.Tensor | None
-    """[N_k] state-table index of each piece's initial state; None when every piece starts from zeros."""
+    init_state: tuple[int, ...] | None
+    """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
     output_pos: torch.Tensor | slice
     """Positions in `gather` whose outputs are kept (the non-replay rows)."""
 
@@ -117,7 +117,7 @@ class CoreCallTensors:
         return CoreCallTensors(
             cu_seqlens=cu.to(device),
             cu_seqlens_cpu=cu,
-            init_state=None if not call.init_state.any() else torch.as_tensor(call.init_state, device=device),
+            init_state=None if not call.init_state.any() else tuple(call.init_state.tolist()),
             output_pos=_rows(call.output_pos, device),
         )
 

@@ -40,19 +40,21 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     """Run the core as the layout's kernel calls; returns o [C, HV, V] in physical order (replay outputs dropped).
 
     Each call's pieces start from states of the table (zeros, then every call's final states in order, see
-    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer."""
+    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A call
+    stacks only the states it starts from (concatenating the whole table per call would copy it 14 times a layer on
+    a SWE tree)."""
     state_dtype = torch.float64 if inputs.v.dtype == torch.float64 else torch.float32
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
-    table = [inputs.v.new_zeros(1, HV, K, V, dtype=state_dtype)]
+    table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
     outputs = []
     pieces = [t[layout.linear_gather].split(layout.linear_call_rows)
               for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
     for i, call in enumerate(layout.linear_calls):
-        h0 = None if call.init_state is None else torch.cat(table)[call.init_state]
+        h0 = None if call.init_state is None else torch.stack([table[s] for s in call.init_state])
         gathered = CoreInputs(*(p[i] for p in pieces))
         o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
         outputs.append(o[call.output_pos])
-        table.append(final.to(state_dtype))
+        table.extend(final.to(state_dtype).unbind(0))
     o = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     return o if layout.linear_order is None else o[layout.linear_order]
 
