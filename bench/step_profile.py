@@ -5,7 +5,9 @@ kernels that take the most time (issue 7, item 5).
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
-(each synchronising call counted by its last three non-torch stack frames) and once under `torch.profiler`.
+(each synchronising call counted by its last three non-torch stack frames) and once under `torch.profiler`. Last, the
+tree's kernel time against an ideal: flat's cost per row for everything but full attention and per causal query-key
+pair for flash attention (the tree's pairs shrink less than its rows); the excess is what tree execution adds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 import traceback
 import warnings
 
+import numpy as np
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.speed import first_fit_flat, flat_step, sync, tree_step
@@ -54,6 +58,28 @@ def sync_sites(fn) -> collections.Counter:
     return sites
 
 
+def kernel_seconds(prof) -> tuple[float, float]:
+    """(all device kernels and copies, the flash-attention kernels) of a profile, in seconds."""
+    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+    total = sum(e.self_device_time_total for e in kernels)
+    flash = sum(e.self_device_time_total for e in kernels if "flash" in e.key)
+    return total / 1e6, flash / 1e6
+
+
+def overhead_line(flat: dict, tree: dict) -> str:
+    """The tree microbatch's kernel time against what it would take at the flat microbatch's cost per row for
+    everything but full attention, and per causal query-key pair for flash attention: the excess is tree overhead,
+    the rest is the work the tree really has (attention pairs shrink less than rows)."""
+    rest = (flat["kernel_s"] - flat["flash_s"]) / flat["rows"]
+    per_pair = flat["flash_s"] / flat["pairs"]
+    ideal_flash = per_pair * tree["pairs"]
+    ideal = rest * tree["rows"] + ideal_flash
+    return (f"tree kernels {tree['kernel_s']:.3f} s; at flat's cost per row (non-attention) and per query-key pair "
+            f"(flash) {ideal:.3f} s: overhead {tree['kernel_s'] - ideal:+.3f} s (flash "
+            f"{tree['flash_s'] - ideal_flash:+.3f} s, everything else "
+            f"{tree['kernel_s'] - tree['flash_s'] - rest * tree['rows']:+.3f} s)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ling-3-tiny")
@@ -81,6 +107,10 @@ def main(argv=None) -> int:
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
         "tree": lambda: tree_step(model, batch, plan, dev, 1e6, args.attention),
     }
+    work = {
+        "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": sum(len(t) * (len(t) + 1) / 2 for t in flat_trajs)},
+        "tree": {"rows": batch.num_compact, "pairs": float((batch.positions.astype(np.float64) + 1).sum())},
+    }
     dump = {}
     for name, fn in modes.items():
         for run in range(2):
@@ -98,15 +128,19 @@ def main(argv=None) -> int:
             fn()
             sync(dev)
             wall = time.perf_counter() - start
-        print(f"{name}: wall {wall:.2f} s under the profiler")
+        work[name]["kernel_s"], work[name]["flash_s"] = kernel_seconds(prof)
+        print(f"{name}: wall {wall:.2f} s under the profiler, kernels {work[name]['kernel_s']:.3f} s "
+              f"(flash attention {work[name]['flash_s']:.3f} s) for {work[name]['rows']:,} rows, "
+              f"{work[name]['pairs']:.4g} query-key pairs")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
         if args.json:
-            dump[name] = {"wall_s": wall, "ops": [
+            dump[name] = {"wall_s": wall, **work[name], "ops": [
                 {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total, "calls": e.count}
                 for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0
             ]}
         model.zero_grad(set_to_none=True)
+    print(overhead_line(work["flat"], work["tree"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dump, f)
