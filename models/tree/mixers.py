@@ -30,9 +30,9 @@ __all__ = ["TreeContext", "linear_attention_rounds", "tree_linear_mixer", "tree_
 
 
 def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
-    """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1)."""
-    padded = torch.cat([x_CX.new_zeros(1, x_CX.shape[1]), x_CX])
-    ctx_NWX = padded[context_NW + 1]
+    """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1).
+    Reads only the N x (W-1) context rows (no padded copy of x)."""
+    ctx_NWX = torch.where((context_NW >= 0)[..., None], x_CX[context_NW.clamp(min=0)], 0.0)
     return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
 
 
