@@ -269,6 +269,11 @@ def print_table(rows: list[dict], header: dict) -> None:
                 f"{r['flat']['peak_gib']:.1f}", f"{r['tree']['peak_gib']:.1f}",
                 f"{r['flat_mfu']:.3f}" if r["flat_mfu"] is not None else "-", f"{r['auto']['speedup']:.2f}"]
         print(" ".join(f"{v:>9}" for v in vals))
+    for r in rows:
+        mfu = (f"; MFU flat {r['flat_mfu']:.3f}, tree {r['tree_mfu_compact']:.3f} (on compact rows)"
+               if r["flat_mfu"] is not None else "")
+        print(f"{r['workload']}: tokens/s flat {r['flat_tokens_per_s']:,.0f}, tree {r['tree_semantic_tokens_per_s']:,.0f}"
+              f" (semantic){mfu}")
     c = header["cost_model"]
     print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
           f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row; auto runs a microbatch as a tree when"

@@ -11,7 +11,8 @@ def test_speed_runs_and_reports(tmp_path, capsys):
                  "--token-scale", "0.02", "--capacity", "4096", "--low-paths", "4", "--low-length", "256",
                  "--warmup", "0", "--repeat", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert "F/B/G x" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "F/B/G x" in printed and "swe: tokens/s flat" in printed
     swe, low = r["results"]
     assert swe["workload"] == "swe" and low["workload"] == "low-share"
     assert swe["compression"] > low["compression"] > 1.0
