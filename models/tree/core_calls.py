@@ -82,9 +82,9 @@ def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], sta
     return calls, table_size
 
 
-def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray | None]:
-    """All kernel calls of the plan, in order, and the permutation [C] that puts the concatenated kept outputs of
-    the calls into physical order (None when they already are: no round was split)."""
+def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray]:
+    """All kernel calls of the plan, in order, and `keep` [C]: the position of each physical row's kept output in the
+    calls' concatenated rows (replay positions appear in no entry)."""
     table_of_global: dict[int, int] = {}
     table_size = 1
     calls: list[CoreCall] = []
@@ -93,10 +93,12 @@ def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray | None]:
             rd, plan.chunk_size, table_of_global, int(plan.state_offsets[r]), table_size
         )
         calls.extend(round_calls)
-    rows = np.concatenate([c.gather[c.output_pos] for c in calls]) if calls else np.zeros(0, np.int64)
-    assert np.array_equal(np.sort(rows), np.arange(rows.size)), "calls must output every physical row once"
-    if np.array_equal(rows, np.arange(rows.size)):
-        return calls, None
-    order = np.empty_like(rows)
-    order[rows] = np.arange(rows.size)
-    return calls, order
+    C = plan.physical_to_compact.size
+    keep = np.full(C, -1, dtype=np.int64)
+    start = 0
+    for c in calls:
+        keep[c.gather[c.output_pos]] = start + c.output_pos
+        start += c.gather.size
+    kept = np.concatenate([c.gather[c.output_pos] for c in calls]) if calls else np.zeros(0, np.int64)
+    assert kept.size == C and (keep >= 0).all(), "calls must output every physical row once"
+    return calls, keep

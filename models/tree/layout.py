@@ -14,6 +14,7 @@ import torch
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
+from models.tree.row_gather import RowGather
 from planner.pack import CompactBatch
 
 __all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
@@ -91,11 +92,14 @@ def conv_context_rows(
     return out
 
 
-def _rows(index: np.ndarray, device) -> torch.Tensor | slice:
-    """An index array as a slice when it is one contiguous increasing range (indexing with it is then a view)."""
+def _gather(index: np.ndarray, rows: int, device) -> RowGather | slice | None:
+    """Reading rows `index` of a source of `rows` rows: None when that is the whole source in order, a slice (a view)
+    when it is one contiguous increasing range, else a `RowGather`."""
     if index.size and np.array_equal(index, np.arange(index[0], index[0] + index.size)):
+        if index[0] == 0 and index.size == rows:
+            return None
         return slice(int(index[0]), int(index[0]) + index.size)
-    return torch.as_tensor(np.ascontiguousarray(index), dtype=torch.int64, device=device)
+    return RowGather.build(index, rows, device)
 
 
 @dataclass
@@ -108,8 +112,6 @@ class CoreCallTensors:
     """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
-    output_pos: torch.Tensor | slice
-    """Positions in `gather` whose outputs are kept (the non-replay rows)."""
 
     @staticmethod
     def build(call: CoreCall, device) -> "CoreCallTensors":
@@ -118,7 +120,6 @@ class CoreCallTensors:
             cu_seqlens=cu.to(device),
             cu_seqlens_cpu=cu,
             init_state=None if not call.init_state.any() else tuple(call.init_state.tolist()),
-            output_pos=_rows(call.output_pos, device),
         )
 
 
@@ -131,11 +132,12 @@ class TreeLayout:
     row_weight [C]: multiplicity q of each row (MoE statistics weights).
     seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
     conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
-    linear_calls, linear_order: the linear-attention kernel calls in order, and the permutation [C] from their
-        concatenated kept outputs to physical order (None: already in order).
-    linear_gather, linear_call_rows: the physical rows fed to all calls, call after call (a slice when contiguous),
-        and each call's number of them: one gather and one split per input, so backward scatters each input's
-        gradient once instead of once per call.
+    linear_calls: the linear-attention kernel calls in order.
+    linear_gather, linear_call_rows: the physical rows fed to all calls, call after call (None: all rows in order;
+        a slice when contiguous), and each call's number of them: one gather and one split per input, so backward
+        handles each input's gradient once instead of once per call.
+    linear_keep: the positions of the calls' concatenated outputs that are each physical row's (replay outputs are
+        dropped), or None when that is all of them in order.
     attention: full-attention visibility and branch views.
     logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
     """
@@ -146,9 +148,9 @@ class TreeLayout:
     seq_cu: torch.Tensor
     conv_context: torch.Tensor
     linear_calls: list[CoreCallTensors]
-    linear_order: torch.Tensor | None
-    linear_gather: torch.Tensor | slice
+    linear_gather: RowGather | slice | None
     linear_call_rows: list[int]
+    linear_keep: RowGather | None
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
     target: torch.Tensor
@@ -160,7 +162,8 @@ class TreeLayout:
         p2c = plan.physical_to_compact
         c2p = plan.compact_to_physical
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
-        calls, order = core_calls(plan)
+        calls, keep = core_calls(plan)
+        gather = np.concatenate([c.gather for c in calls])
         logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)
         return TreeLayout(
             tokens=as_t(batch.tokens[p2c]),
@@ -169,9 +172,9 @@ class TreeLayout:
             seq_cu=as_t(plan.seq_row_offsets),
             conv_context=as_t(conv_context_rows(batch, p2c, plan.seq_row_offsets, conv_size)),
             linear_calls=[CoreCallTensors.build(c, device) for c in calls],
-            linear_order=None if order is None else as_t(order),
-            linear_gather=_rows(np.concatenate([c.gather for c in calls]), device),
+            linear_gather=_gather(gather, p2c.size, device),
             linear_call_rows=[int(c.gather.size) for c in calls],
+            linear_keep=_gather(keep, gather.size, device),
             attention=build_attention_layout(batch, p2c, plan.seq_row_offsets, device),
             logit_row=as_t(logit_row),
             target=as_t(batch.sem_tokens),

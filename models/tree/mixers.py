@@ -25,6 +25,7 @@ from models.attention_core import AttentionRows
 from models.linear_attention import CoreInputs, LinearAttention
 from models.tree.attention import Backend, tree_attention
 from models.tree.layout import TreeLayout
+from models.tree.row_gather import RowGather
 
 __all__ = ["TreeContext", "linear_attention_rounds", "tree_linear_mixer", "tree_attention_mixer"]
 
@@ -34,6 +35,10 @@ def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.T
     Reads only the N x (W-1) context rows (no padded copy of x)."""
     ctx_NWX = torch.where((context_NW >= 0)[..., None], x_CX[context_NW.clamp(min=0)], 0.0)
     return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
+
+
+def _read(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
+    return x if rows is None else x[rows] if isinstance(rows, slice) else rows(x)
 
 
 def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
@@ -47,16 +52,15 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
     outputs = []
-    pieces = [t[layout.linear_gather].split(layout.linear_call_rows)
+    pieces = [_read(t, layout.linear_gather).split(layout.linear_call_rows)
               for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
     for i, call in enumerate(layout.linear_calls):
         h0 = None if call.init_state is None else torch.stack([table[s] for s in call.init_state])
         gathered = CoreInputs(*(p[i] for p in pieces))
         o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
-        outputs.append(o[call.output_pos])
+        outputs.append(o)
         table.extend(final.to(state_dtype).unbind(0))
-    o = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return o if layout.linear_order is None else o[layout.linear_order]
+    return _read(torch.cat(outputs) if len(outputs) > 1 else outputs[0], layout.linear_keep)
 
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:

@@ -27,7 +27,7 @@ def chunk_step(state, rows):
     return (state * 31 + int(rows.sum()) + rows.size) % 1_000_003
 
 
-def outputs_through_calls(plan, calls, order):
+def outputs_through_calls(plan, calls, keep):
     """Each physical row's output = the state at the start of its chunk, running the calls with their state table."""
     table, kept = [0], []
     for call in calls:
@@ -40,9 +40,8 @@ def outputs_through_calls(plan, calls, order):
                 out[start:end] = state
                 state = chunk_step(state, call.gather[start:end])
             table.append(state)
-        kept.append(out[call.output_pos])
-    kept = np.concatenate(kept)
-    return kept if order is None else kept[order]
+        kept.append(out)
+    return np.concatenate(kept)[keep]
 
 
 def outputs_through_rounds(plan):
@@ -70,11 +69,13 @@ def outputs_through_rounds(plan):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_calls_cover_rows_and_split_only_where_asked(seed, replay):
     batch, plan = make_plan(seed, replay=replay)
-    calls, order = core_calls(plan)
+    calls, keep = core_calls(plan)
     kept = np.concatenate([c.gather[c.output_pos] for c in calls])
     assert np.array_equal(np.sort(kept), np.arange(batch.num_compact))
-    if order is not None:
-        assert np.array_equal(kept[order], np.arange(batch.num_compact))
+    assert np.array_equal(np.concatenate([c.gather for c in calls])[keep], np.arange(batch.num_compact))
+    replay = np.ones(sum(c.gather.size for c in calls), dtype=bool)
+    replay[keep] = False
+    assert replay.sum() == sum(c.gather.size - c.output_pos.size for c in calls)
     expected_calls = 0
     for rd in plan.rounds:
         lengths = np.diff(rd.cu_seqlens)
@@ -95,5 +96,5 @@ def test_calls_hand_over_the_requested_states(seed, replay):
     chunks = [-(-np.diff(rd.cu_seqlens)[rd.state_seq] // plan.chunk_size) for rd in plan.rounds]
     mid_sequence = any(((rd.state_chunk > 0) & (rd.state_chunk < n)).any() for rd, n in zip(plan.rounds, chunks))
     assert mid_sequence or not replay, "the plan has no mid-sequence request: the test lacks bite"
-    calls, order = core_calls(plan)
-    assert np.array_equal(outputs_through_calls(plan, calls, order), outputs_through_rounds(plan))
+    calls, keep = core_calls(plan)
+    assert np.array_equal(outputs_through_calls(plan, calls, keep), outputs_through_rounds(plan))
