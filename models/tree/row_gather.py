@@ -7,7 +7,7 @@ The linear-attention rounds read each physical row once more or less in another 
 twice), and their kept outputs are each read once: for such an index the gradient of row r is the gradient at one
 position that reads it, plus the gradients of its repeated reads. Backward then is one gather, a small fill and a
 small scatter-add. (On a 65k-row SWE microbatch of ling-3-tiny on the H200, the sorted scatter-adds and zero fills of
-these gathers took about 40 ms.)
+these gathers took 43 ms, the gathers that replace them about 16 ms.)
 """
 
 from __future__ import annotations
