@@ -12,9 +12,9 @@ compact q/k/v, the output and the log-sum-exp, and the backward gathers each gro
 backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one group's views and their gradients.
 
 The scatter is `index_put_(accumulate=True)`, not `index_add_`: a trunk row is in every view of its group, and
-index_add_'s atomic adds on one address serialise (on the H200 it took 0.1 s of a 65k-row microbatch); the sorted
-accumulate sums a row's contributions in fp32 in a fixed order, so dk/dv are also deterministic and rounded once per
-group.
+index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE microbatch, 25 ms sorted);
+the sorted accumulate sums a row's contributions in one pass in a fixed order, so dk/dv are also deterministic and
+rounded once per group.
 """
 
 from __future__ import annotations

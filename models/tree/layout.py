@@ -136,8 +136,8 @@ class TreeLayout:
     linear_gather, linear_call_rows: the physical rows fed to all calls, call after call (None: all rows in order;
         a slice when contiguous), and each call's number of them: one gather and one split per input, so backward
         handles each input's gradient once instead of once per call.
-    linear_keep: the positions of the calls' concatenated outputs that are each physical row's (replay outputs are
-        dropped), or None when that is all of them in order.
+    linear_keep: the position of each physical row's output among the calls' concatenated outputs (replay outputs
+        are dropped; None when that is all of them in order).
     attention: full-attention visibility and branch views.
     logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
     """
@@ -150,7 +150,7 @@ class TreeLayout:
     linear_calls: list[CoreCallTensors]
     linear_gather: RowGather | slice | None
     linear_call_rows: list[int]
-    linear_keep: RowGather | None
+    linear_keep: RowGather | slice | None
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
     target: torch.Tensor

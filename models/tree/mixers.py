@@ -38,6 +38,7 @@ def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.T
 
 
 def _read(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
+    """Rows of x as a layout names them (None: all, in order)."""
     return x if rows is None else x[rows] if isinstance(rows, slice) else rows(x)
 
 

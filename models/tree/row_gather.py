@@ -3,9 +3,9 @@
 Legend: R rows of the source, T gathered rows, U source rows never read, M repeated reads.
 
 `x[index]`'s autograd backward allocates a zero `[R, ...]` tensor and scatter-adds the gradient into it through a sort.
-The linear-attention rounds read each physical row once more or less in another order (plus the few replay rows read
-twice), and their kept outputs are each read once: for such an index the gradient of row r is the gradient at one
-position that reads it, plus the gradients of its repeated reads. Backward then is one gather, a small fill and a
+The linear-attention rounds read every physical row once in another order, and the few replay rows a second time;
+their kept outputs are each read once. For such an index the gradient of row r is the gradient at one position that
+reads it plus the gradients of its repeated reads. Backward then is one gather, a small fill and a
 small scatter-add. (On a 65k-row SWE microbatch of ling-3-tiny on the H200, the sorted scatter-adds and zero fills of
 these gathers took 43 ms, the gathers that replace them about 16 ms.)
 """
