@@ -33,7 +33,7 @@ from models.moe import MoEStats, load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
 from models.tree.layout import TreeLayout
-from planner.calls import plan_calls
+from planner.calls import ExecutionPlan, plan_calls
 from planner.jsonl import read_jsonl
 from planner.pack import CompactBatch, pack
 
@@ -134,7 +134,8 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
     return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
 
 
-def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, backend: str) -> tuple[Run, np.ndarray]:
+def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool,
+             backend: str) -> tuple[Run, ExecutionPlan, TreeLayout]:
     start = time.perf_counter()
     plan = plan_calls(batch, chunk_size, replay=replay)
     conv = model.config.linear_attention.conv_size if model.config.linear_attention else 4
@@ -148,11 +149,7 @@ def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool, 
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     _sync(device)
-    run = Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
-    # Handoff depth of the row whose logits predict each position (the previous position's row).
-    depth_c = plan.handoff_depth
-    prev_rows = np.where(batch.logit_row >= 0, batch.logit_row, 0)
-    return run, depth_c[prev_rows]
+    return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start), plan, layout
 
 
 def float64_run(model, batch: CompactBatch, device) -> Run:
@@ -280,18 +277,17 @@ def run(args) -> dict:
         run_.grads = None
         runs[name] = run_
 
-    arbor, depth = tree_run(model, batch, device, chunk, True, args.attention)
+    arbor, plan, layout = tree_run(model, batch, device, chunk, True, args.attention)
+    # Handoff depth of the row whose logits predict each position (the previous position's row).
+    depth = plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
     measure("arbor", arbor)
     measure("no_replay", tree_run(model, batch, device, chunk, False, args.attention)[0])
     measure("flat_rerun", flat_run(model, batch, device))
     measure("flat_repacked", flat_run(model, batch, device, reverse=True))
     ref.grads = None
     oracle = float64_run(model, batch, device) if args.oracle else None
-    plan = plan_calls(batch, chunk)
     if args.per_layer:
-        conv = model.config.linear_attention.conv_size if model.config.linear_attention else 4
-        divergence = per_layer_divergence(model, batch, plan, TreeLayout.build(batch, plan, conv, device),
-                                          args.attention, device)
+        divergence = per_layer_divergence(model, batch, plan, layout, args.attention, device)
     result = {
         "model": args.hf or args.model,
         "device": args.device,
