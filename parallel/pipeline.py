@@ -51,7 +51,7 @@ from parallel.config import ParallelConfig
 from parallel.grad_norm import clip_grad_norm_
 from parallel.mesh import ParallelMeshes
 from parallel.parallelize import apply_compile
-from parallel.step import Microbatch, MicrobatchLoss, StepMetrics, _checked, pack_microbatch
+from parallel.step import Microbatch, MicrobatchLoss, StepMetrics, _checked, _step_metrics, pack_microbatch
 from planner.trajectory import Trajectory
 
 __all__ = ["PipelinedCausalLM", "stage_layers", "pipeline_hybrid", "pipeline_for_job", "pipeline_train_step",
@@ -337,23 +337,18 @@ def pipeline_train_step(
     total_seconds = time.perf_counter() - start
     summary = None
     if results:
-        losses_K = torch.stack([r[0] for r in results]).cpu()
         extras: dict[str, float] = {}
         for _, metrics, _ in results:
             for k, v in metrics.items():
                 extras[k] = extras.get(k, 0.0) + float(v.to(torch.float64))
         counts = [torch.stack(c).sum(0).cpu() for c in zip(*(r[2] for r in results))]
-        finite_K = torch.isfinite(losses_K)
-        non_finite = None if bool(finite_K.all()) else int((~finite_K).nonzero()[0])
-        summary = (float(losses_K.sum()), extras, counts, non_finite)
-    loss, extras, counts, non_finite = _from_last_stage(model, summary)
+        summary = (torch.stack([r[0] for r in results]).cpu(), extras, counts)
+    losses_K, extras, counts = _from_last_stage(model, summary)
     it = iter(c.to(model.device) for c in counts)
-    return StepMetrics(
-        loss=loss, microbatches=len(mbs), compact_rows=sum(mb.batch.num_compact for mb in mbs),
-        semantic_tokens=sum(mb.batch.num_semantic for mb in mbs),
-        linear_attention_calls=sum(mb.linear_attention_calls for mb in mbs), extras=extras,
-        expert_counts=[next(it) if t == "moe" else None for t in model.config.ffn_types], non_finite=non_finite,
-        forward_seconds=forward_seconds, backward_seconds=total_seconds - forward_seconds,
+    return _step_metrics(
+        [mb.batch for mb in mbs], sum(mb.linear_attention_calls for mb in mbs), losses_K, extras,
+        [next(it) if t == "moe" else None for t in model.config.ffn_types], forward_seconds,
+        total_seconds - forward_seconds,
     )
 
 

@@ -161,6 +161,20 @@ def _checked(microbatches: Sequence, dp_group: dist.ProcessGroup | None, device:
         _check_equal_counts(len(microbatches), dp_group, device)
 
 
+def _step_metrics(batches: Sequence[CompactBatch], linear_attention_calls: int, losses_K: torch.Tensor,
+                  extras: dict[str, float], expert_counts: list[torch.Tensor | None], forward_seconds: float,
+                  backward_seconds: float) -> StepMetrics:
+    """StepMetrics of this replica's microbatches (`batches`, in slot order) from their losses `[K]` (float64)."""
+    finite_K = torch.isfinite(losses_K).cpu()
+    return StepMetrics(
+        loss=float(losses_K.sum()), microbatches=len(batches), compact_rows=sum(b.num_compact for b in batches),
+        semantic_tokens=sum(b.num_semantic for b in batches), linear_attention_calls=linear_attention_calls,
+        extras=extras, expert_counts=expert_counts,
+        non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
+        forward_seconds=forward_seconds, backward_seconds=backward_seconds,
+    )
+
+
 def train_step(
     model: HybridForCausalLM,
     microbatches: Sequence[Microbatch | Sequence[Trajectory]],
@@ -200,8 +214,8 @@ def train_step(
     _checked(microbatches, dp_group, device)
     extras: dict[str, torch.Tensor] = {}
     expert_counts: list[torch.Tensor | None] = []
-    losses = []
-    rows = tokens = calls = 0
+    losses, batches = [], []
+    calls = 0
     forward_seconds = backward_seconds = 0.0
     for item in microbatches:
         mb = item if isinstance(item, Microbatch) else pack_microbatch(item, model.config, device)
@@ -219,17 +233,10 @@ def train_step(
         expert_counts = counts if not expert_counts else [
             None if a is None else a + b for a, b in zip(expert_counts, counts)
         ]
-        rows += mb.batch.num_compact
-        tokens += mb.batch.num_semantic
+        batches.append(mb.batch)
         calls += mb.linear_attention_calls
-    losses_K = torch.stack(losses)
-    finite_K = torch.isfinite(losses_K).cpu()
-    return StepMetrics(
-        loss=float(losses_K.sum()), microbatches=len(microbatches), compact_rows=rows, semantic_tokens=tokens,
-        linear_attention_calls=calls, extras={k: float(v) for k, v in extras.items()}, expert_counts=expert_counts,
-        non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
-        forward_seconds=forward_seconds, backward_seconds=backward_seconds,
-    )
+    return _step_metrics(batches, calls, torch.stack(losses), {k: float(v) for k, v in extras.items()}, expert_counts,
+                         forward_seconds, backward_seconds)
 
 
 @torch.no_grad()
