@@ -20,7 +20,7 @@ from app.config import JobConfig
 from app.config_loader import ConfigError
 from parallel.config import pipeline_support
 
-__all__ = ["launch_size", "device_type", "check_multi_rank", "torchrun_command", "under_torchrun"]
+__all__ = ["launch_size", "check_multi_rank", "torchrun_command", "under_torchrun"]
 
 
 def launch_size(config: JobConfig) -> int:
@@ -32,7 +32,7 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def device_type(config: JobConfig) -> str:
+def _device_type(config: JobConfig) -> str:
     """"cuda" or "cpu": what `train.device` resolves to on this machine."""
     name = config.train.device
     if name == "auto":
@@ -47,12 +47,11 @@ def check_multi_rank(config: JobConfig) -> None:
         raise ConfigError(f"`parallel.pp` = {config.parallel.pp}: {reason}; set pp = 1")
 
 
-
 def torchrun_command(config: JobConfig, path: str, argv: list[str]) -> list[str]:
     """The command that starts this job on one node (raises ConfigError naming what is missing)."""
     check_multi_rank(config)
     n = launch_size(config)
-    if device_type(config) == "cuda":
+    if _device_type(config) == "cuda":
         gpus = torch.cuda.device_count()
         if gpus < n:
             build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"

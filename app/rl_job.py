@@ -36,7 +36,7 @@ from app.config import JobConfig
 from app.config_loader import ConfigError
 from app.engines import build_engine
 from app.environments import make_environment
-from app.launch import check_multi_rank, device_type, launch_size, under_torchrun
+from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import MetricsLog, new_run_name
 from app.objectives import RouterLossConfig, rl_loss, sft_loss
 from app.policy import build_policy, resolve_device
@@ -102,13 +102,13 @@ def _build_trainer(config: JobConfig, model: HybridForCausalLM):
         from parallel.launch import init_distributed
 
         check_multi_rank(config)
-        resolve_device(config.train.device)
+        device = resolve_device(config.train.device)
         try:
             config.parallel.resolved(int(os.environ["WORLD_SIZE"])).validate(model.config,
                                                                                pipelined=config.parallel.pp > 1)
         except (ValueError, NotImplementedError) as e:
             raise ConfigError(f"[parallel]: {e}") from None
-        return DistributedTrainer(config, model, init_distributed(config.parallel, device_type(config)))
+        return DistributedTrainer(config, model, init_distributed(config.parallel, device.type))
     if launch_size(config) > 1:
         raise ConfigError(
             f"the [parallel] degrees need {launch_size(config)} ranks but this process runs alone: start the job "
@@ -428,7 +428,6 @@ def _rollout_scalars(trees: list[RolloutTree], trajectories) -> dict[str, float]
         "rollout/turns_mean": float(np.mean([t.extra["turns"] for t in trajectories])),
         "rollout/prefix_cache_tokens": float(sum(n.cached_tokens for tree in trees for n in tree.nodes)),
     }
-
 
 
 def _plan_scalars(step: dict[str, float], shared: SharedBatch) -> dict[str, float]:
