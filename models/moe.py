@@ -204,9 +204,12 @@ class MoE(nn.Module):
     def forward(self, x_TD: torch.Tensor, row_weight_T: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         """x `[T, D]`, optional row weights `[T]` (statistics only) -> (`[T, D]`, MoEStats)."""
         routing = self.gate(x_TD)
-        y_TD = self.experts(x_TD, routing)
+        return self.plus_shared(self.experts(x_TD, routing), x_TD), self.gate.stats(routing, row_weight_T)
+
+    def plus_shared(self, y_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """`y` plus the shared expert's output on `x` (gated when the config says so); `y` itself without one."""
         if self.config.shared_expert_gate:
-            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
-        elif self.config.shared_expert_intermediate_size:
-            y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD, self.gate.stats(routing, row_weight_T)
+            return y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        if self.config.shared_expert_intermediate_size:
+            return y_TD + self.shared_experts(x_TD)
+        return y_TD

@@ -105,11 +105,7 @@ class TPSlicedMoE(LocalParams, MoE):
         T = x_TD.shape[0]
         lo, hi = self.tp_group_rank * T // self.tp_group_size, (self.tp_group_rank + 1) * T // self.tp_group_size
         routing = self.gate(x_TD[lo:hi])
-        y_TD = F.pad(self.experts(x_TD[lo:hi], routing), (0, 0, lo, T - hi))
-        if self.config.shared_expert_gate:
-            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
-        elif self.config.shared_expert_intermediate_size:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        y_TD = self.plus_shared(F.pad(self.experts(x_TD[lo:hi], routing), (0, 0, lo, T - hi)), x_TD)
         return reduce_from_group(y_TD, self.tp_group), self.summed_stats(routing, row_weight_T, lo, hi)
 
     def summed_stats(self, routing: Routing, row_weight_T: torch.Tensor | None, lo: int, hi: int) -> MoEStats:
