@@ -55,6 +55,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _mm(a_MK: torch.Tensor, b_KN: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """[M, N] product in the compute dtype `cdt`, accumulated there and never rounded to a low-precision input dtype.
+    bf16/fp16 on CUDA: one cuBLAS call writing fp32 (no product in the input dtype, no cast copy)."""
+    if a_MK.dtype == cdt:
+        return a_MK @ b_KN
+    if a_MK.is_cuda and cdt == torch.float32:
+        return torch.mm(a_MK, b_KN, out_dtype=cdt)
+    return a_MK.to(cdt) @ b_KN.to(cdt)
+
+
+def _addmm_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> None:
+    """acc += a @ b in place, with `acc` in the compute dtype (see `_mm`): on CUDA one cuBLAS call with beta = 1,
+    instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient: [V, D] per chunk)."""
+    if a_MK.dtype == acc_MN.dtype:
+        acc_MN.addmm_(a_MK, b_KN)
+    elif a_MK.is_cuda and acc_MN.dtype == torch.float32:
+        torch.addmm(acc_MN, a_MK, b_KN, out_dtype=acc_MN.dtype, out=acc_MN)
+    else:
+        acc_MN.addmm_(a_MK.to(acc_MN.dtype), b_KN.to(acc_MN.dtype))
+
+
 def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
     if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
         raise ValueError(
@@ -79,7 +100,7 @@ def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
 def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
     """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, weight_VD.shape[0])
-    logp_CV = torch.log_softmax((hidden_CD @ weight_VD.T).to(_compute_dtype(hidden_CD.dtype)), dim=-1)
+    logp_CV = torch.log_softmax(_mm(hidden_CD, weight_VD.T, _compute_dtype(hidden_CD.dtype)), dim=-1)
     valid = logit_row_S >= 0
     rows = logit_row_S.clamp(min=0)
     out = torch.where(valid, logp_CV[rows, target_S.clamp(min=0)], torch.zeros((), dtype=logp_CV.dtype))
@@ -103,7 +124,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
         ent_U = torch.empty(U, dtype=cdt, device=hidden_CD.device) if with_entropy else None
         for a in range(0, U, chunk_rows):
             b = min(a + chunk_rows, U)
-            logits_RV = (hidden_CD[rows_U[a:b]] @ weight_VD.T).to(cdt)
+            logits_RV = _mm(hidden_CD[rows_U[a:b]], weight_VD.T, cdt)
             max_R = logits_RV.amax(dim=-1)
             shards.max_(max_R)
             shifted_RV = logits_RV.sub_(max_R[:, None])
@@ -156,8 +177,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
         for i, a in enumerate(range(0, U, ctx.chunk_rows)):
             b = min(a + ctx.chunk_rows, U)
             h = hidden_CD[rows_U[a:b]]
-            logits = (h @ weight_VD.T).to(cdt)
-            logp = logits - lse_U[a:b, None]
+            logp = _mm(h, weight_VD.T, cdt).sub_(lse_U[a:b, None])
             p = logp.exp()
             dlogits = p * (-g_U[a:b, None])
             if ge_U is not None:
@@ -168,7 +188,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
             if dhidden_CD is not None:
                 dhidden_CD.index_add_(0, rows_U[a:b], dlogits @ weight_VD)
             if dweight_VD is not None:
-                dweight_VD += (dlogits.T @ h).to(cdt)
+                _addmm_(dweight_VD, dlogits.T, h)
         if dweight_VD is not None:
             dweight_VD = dweight_VD.to(weight_VD.dtype)
         return dhidden_CD, dweight_VD, None, None, None, None, None, None, None

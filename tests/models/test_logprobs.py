@@ -57,6 +57,35 @@ def test_compact_logprobs_gradcheck():
     )
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_bf16_logits_and_lm_head_grad_accumulate_in_fp32(device):
+    """bf16 hidden states and LM head: logits are fp32 sums of the exact bf16 products (on CUDA one fp32-output GEMM
+    per chunk), never rounded to bf16: against float64 on the same bf16 values logprobs agree to ~1e-6, where a bf16
+    product (logit error ~1e-2) fails the 1e-4 bound. The LM-head gradient is accumulated over the 8 chunks into one
+    fp32 buffer (on CUDA by the GEMM itself, beta = 1): it must equal float64's up to the final bf16 rounding (~2e-3);
+    a GEMM that overwrote the accumulator would keep one chunk of eight."""
+    g = torch.Generator().manual_seed(3)
+    C, D, V, S = 64, 256, 1000, 96
+    hidden = (torch.randn(C, D, generator=g) / 4).to(torch.bfloat16)
+    weight = torch.randn(V, D, generator=g).to(torch.bfloat16)
+    rows = torch.randint(0, C, (S,), generator=g)
+    target = torch.randint(0, V, (S,), generator=g)
+    coef = torch.randn(S, generator=g, dtype=torch.float64)
+    results = []
+    for dtype, dev in ((torch.float64, "cpu"), (torch.bfloat16, device)):
+        h = hidden.to(dev, dtype).requires_grad_()
+        w = weight.to(dev, dtype).requires_grad_()
+        lp = compact_logprobs(h, w, rows.to(dev), target.to(dev), chunk_rows=8)
+        (coef.to(dev, lp.dtype) * lp).sum().backward()
+        results.append((lp.double().cpu(), w.grad.double().cpu()))
+    (lp64, dw64), (lp16, dw16) = results
+    assert (lp16 - lp64).abs().max().item() < 1e-4
+    assert rel(dw16, dw64) < 3e-3
+
+
 def test_bad_targets_are_errors():
     h, w = torch.zeros(3, 2), torch.zeros(5, 2)
     with pytest.raises(ValueError, match="vocabulary"):
