@@ -8,7 +8,9 @@ A compact row's logits predict the next token of every semantic position mapped 
 logit is gathered per semantic position, and the result is returned in original order. Vocabulary-sized tensors exist
 only for one chunk of rows at a time: forward keeps just one log-sum-exp per row, and backward recomputes each chunk's
 logits, so peak memory is O(chunk_rows x V), never S x V or C x V. Backward sums the contributions of every position
-into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a count.
+into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a count. With bf16/fp16 inputs the
+logits and the LM-head gradient are fp32 sums of the exact products, never rounded to the input dtype (on CUDA the
+GEMM writes fp32 and accumulates the gradient itself).
 
 With the LM head split by vocabulary (`VocabShards`), each shard computes its [R, V] logits and only per-row scalars
 cross shards: the row maximum (max), the sums of exp(logit - max) and, for the entropy, of exp(logit - max) *
