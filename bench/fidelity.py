@@ -27,6 +27,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from models.decoder import HybridForCausalLM
+from models.dtypes import upcast
 from models.hf_io import load_hf
 from models.logprobs import compact_logprobs
 from models.moe import MoEStats, load_balancing_loss, router_z_loss
@@ -74,7 +75,7 @@ def moe_aux(stats) -> torch.Tensor:
 
 def semantic_logits_fn(hidden, rows, weight):
     """Chunked access to full-vocabulary logits (fp32, or fp64 for fp64 models) of semantic positions."""
-    cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    cdt = upcast(hidden.dtype)
 
     def get(lo, hi):
         return (hidden[rows[lo:hi]] @ weight.T).to(cdt)

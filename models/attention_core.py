@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.dtypes import upcast
+
 
 @dataclass
 class AttentionRows:
@@ -61,7 +63,7 @@ def naive_attention(
     Query head h reads key/value head h // (H // G). Every query row must see at least one key. Returns `[Q, H, V]`
     in q.dtype.
     """
-    dtype = torch.float64 if q_QHK.dtype == torch.float64 else torch.float32
+    dtype = upcast(q_QHK.dtype)
     group = q_QHK.shape[1] // k_SGK.shape[1]
     k_SHK = k_SGK.to(dtype).repeat_interleave(group, dim=1)
     v_SHV = v_SGV.to(dtype).repeat_interleave(group, dim=1)

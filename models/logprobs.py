@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from models.dtypes import upcast
+
 __all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs"]
 
 #: Bytes of fp32 vocabulary-sized scratch (logits and probabilities of one chunk) when chunk_rows is not given.
@@ -51,10 +53,6 @@ class VocabShards:
 
     def sum_(self, x: torch.Tensor) -> None:
         """Elementwise sum of `x` over the shards, in place."""
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _mm(a_MK: torch.Tensor, b_KN: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
@@ -102,7 +100,7 @@ def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
 def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
     """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, weight_VD.shape[0])
-    logp_CV = torch.log_softmax(_mm(hidden_CD, weight_VD.T, _compute_dtype(hidden_CD.dtype)), dim=-1)
+    logp_CV = torch.log_softmax(_mm(hidden_CD, weight_VD.T, upcast(hidden_CD.dtype)), dim=-1)
     valid = logit_row_S >= 0
     rows = logit_row_S.clamp(min=0)
     out = torch.where(valid, logp_CV[rows, target_S.clamp(min=0)], torch.zeros((), dtype=logp_CV.dtype))
@@ -120,7 +118,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, chunk_rows, with_entropy,
                 shards):
-        cdt = _compute_dtype(hidden_CD.dtype)
+        cdt = upcast(hidden_CD.dtype)
         U = rows_U.numel()
         lse_U = torch.empty(U, dtype=cdt, device=hidden_CD.device)
         ent_U = torch.empty(U, dtype=cdt, device=hidden_CD.device) if with_entropy else None
@@ -209,7 +207,7 @@ def sharded_compact_logprobs(
         chunk_rows = max(1, CHUNK_BUDGET_BYTES // (2 * 4 * V))
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
-    cdt = _compute_dtype(hidden_CD.dtype)
+    cdt = upcast(hidden_CD.dtype)
     valid = logit_row_S >= 0
     rows_U, pred_row_P = torch.unique(logit_row_S[valid], return_inverse=True)
     local_target_P, held_P = shards.local_targets(target_S[valid], V)

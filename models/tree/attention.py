@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from models.dtypes import upcast
 from models.tree.branch_attention import BranchGroup, branch_attention
 
 __all__ = ["TreeAttentionLayout", "tree_attention", "Backend"]
@@ -77,7 +78,7 @@ def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _dense(q, k, v, layout: TreeAttentionLayout, scale: float) -> torch.Tensor:
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = upcast(q.dtype)
     H = q.shape[1]
     scores = torch.einsum("qhk,shk->hqs", q.to(dtype), _expand_heads(k, H).to(dtype)) * scale
     scores = scores.masked_fill(~layout.dense_mask(), float("-inf"))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from models.attention_core import AttentionRows
+from models.dtypes import upcast
 from models.linear_attention import CoreInputs, LinearAttention
 from models.tree.attention import Backend, tree_attention
 from models.tree.layout import TreeLayout
@@ -49,7 +50,7 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A call
     stacks only the states it starts from (concatenating the whole table per call would copy it 14 times a layer on
     a SWE tree)."""
-    state_dtype = torch.float64 if inputs.v.dtype == torch.float64 else torch.float32
+    state_dtype = upcast(inputs.v.dtype)
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
     outputs = []

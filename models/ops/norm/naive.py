@@ -6,6 +6,8 @@ Legend: ... leading dims (tokens, heads), D normalised dim (the value head dim).
 import torch
 import torch.nn.functional as F
 
+from models.dtypes import upcast
+
 GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
 
 
@@ -36,7 +38,7 @@ def naive_rms_norm_gated(
         raise ValueError(f"`g` must have the shape of `x` {tuple(x.shape)}, got {tuple(g.shape)}")
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"`weight` must be [D] with D={x.shape[-1]}, got {tuple(weight.shape)}")
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = upcast(x.dtype)
     input_dtype = x.dtype
     hidden = x.to(dtype)
     variance = hidden.pow(2).mean(-1, keepdim=True)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from models.dtypes import upcast
+
 __all__ = ["naive_varlen_forward", "naive_varlen_backward"]
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
@@ -29,7 +27,7 @@ def _probs_mask(L: int, A: int, device) -> torch.Tensor:
 
 def naive_varlen_forward(q_QHK, k_SGK, v_SGK, cu_q, cu_k, max_q: int, max_k: int, scale: float):
     """-> (out `[Q, H, K]` in q's dtype, lse `[H, Q]` float32/float64: log-sum-exp of each row's scaled scores)."""
-    dt = _compute_dtype(q_QHK)
+    dt = upcast(q_QHK.dtype)
     H, group = q_QHK.shape[1], q_QHK.shape[1] // k_SGK.shape[1]
     out = torch.empty(q_QHK.shape[0], H, v_SGK.shape[-1], dtype=q_QHK.dtype, device=q_QHK.device)
     lse = torch.empty(H, q_QHK.shape[0], dtype=dt, device=q_QHK.device)
@@ -46,7 +44,7 @@ def naive_varlen_forward(q_QHK, k_SGK, v_SGK, cu_q, cu_k, max_q: int, max_k: int
 def naive_varlen_backward(dout_QHK, q_QHK, k_SGK, v_SGK, out_QHK, lse_HQ, cu_q, cu_k, max_q: int, max_k: int,
                           scale: float):
     """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, K]`) in the inputs' dtypes, from the forward's out and lse."""
-    dt = _compute_dtype(q_QHK)
+    dt = upcast(q_QHK.dtype)
     H, G = q_QHK.shape[1], k_SGK.shape[1]
     dq, dk, dv = torch.zeros_like(q_QHK), torch.zeros_like(k_SGK), torch.zeros_like(v_SGK)
     for qs, ks in _sequences(cu_q, cu_k):
