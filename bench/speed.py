@@ -124,6 +124,16 @@ def timed(fn, device):
     return time.perf_counter() - start, result
 
 
+def flat_pairs(trajectories) -> float:
+    """Causal full-attention work of trajectory-wise execution: query-key pairs, every token of every trajectory."""
+    return sum(len(t) * (len(t) + 1) / 2 for t in trajectories)
+
+
+def tree_pairs(batch) -> float:
+    """Causal full-attention work of a packed microbatch: each compact row against its ancestors and itself."""
+    return float((batch.positions.astype(np.float64) + 1).sum())
+
+
 def run_workload(name, trajectories, model, args, device) -> dict:
     rng = np.random.default_rng(args.seed)
     for t in trajectories:
@@ -140,9 +150,8 @@ def run_workload(name, trajectories, model, args, device) -> dict:
     plans = [plan_calls(b, chunk) for b in batches]
     plan_seconds = time.perf_counter() - start
     C = sum(b.num_compact for b in batches)
-    # Causal full-attention work (query-key pairs): every token of every trajectory vs every compact row once.
-    attention_flat = sum(len(t) * (len(t) + 1) / 2 for t in trajectories)
-    attention_tree = sum(float((b.positions.astype(np.float64) + 1).sum()) for b in batches)
+    attention_flat = flat_pairs(trajectories)
+    attention_tree = sum(tree_pairs(b) for b in batches)
     flat_groups = first_fit_flat(trajectories, args.capacity)
 
     def run_flat(group):

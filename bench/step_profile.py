@@ -21,12 +21,11 @@ import time
 import traceback
 import warnings
 
-import numpy as np
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.speed import first_fit_flat, flat_step, sync, tree_step
+from bench.speed import first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
@@ -108,8 +107,8 @@ def main(argv=None) -> int:
         "tree": lambda: tree_step(model, batch, plan, dev, 1e6, args.attention),
     }
     work = {
-        "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": sum(len(t) * (len(t) + 1) / 2 for t in flat_trajs)},
-        "tree": {"rows": batch.num_compact, "pairs": float((batch.positions.astype(np.float64) + 1).sum())},
+        "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": flat_pairs(flat_trajs)},
+        "tree": {"rows": batch.num_compact, "pairs": tree_pairs(batch)},
     }
     dump = {}
     for name, fn in modes.items():
