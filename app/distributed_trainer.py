@@ -2,10 +2,11 @@
 
 Rank 0 is the main rank: it runs the rollout engine, builds the trees, computes advantages and plans the step's
 microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every rank.
-Every rank then trains its DP replica's microbatches (app.train_step, parallel.step) on the model wrapped by
-`parallel.parallelize_for_job` (TP / EP, activation checkpointing, compile, FSDP2), or with `parallel.pp` > 1
-(torch >= 2.14) on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a replica holds the
-replica's microbatches; parallel.step hands the stages to the pipeline schedule).
+Every rank then trains its DP replica's microbatches (`parallel.replica.prepare_replica`) with its step runner:
+`parallel.plain_runner.PlainRunner` on the model wrapped by `parallel.parallelize_for_job` (TP / EP, activation
+checkpointing, compile, FSDP2), or with `parallel.pp` > 1 (torch >= 2.14) `parallel.pipeline_runner.PipelineRunner`
+on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a replica holds the replica's
+microbatches).
 
 - Optimizer: torchtitan's `OptimizersContainer` (AdamW; FQN-keyed state that DCP can reshard).
 - Weights for the engine and the HF export: `policy()` gathers the full state dict from the shards (a collective)
@@ -31,7 +32,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from app.config import JobConfig
 from app.config_loader import ConfigError
@@ -39,7 +39,9 @@ from app.trainer import frozen
 from models.decoder import HybridForCausalLM
 from parallel.checkpoint import build_checkpointer, build_optimizers
 from parallel.launch import DistributedJob, parallelize_for_job
-from parallel.pipeline import PipelinedCausalLM, pipeline_for_job
+from parallel.pipeline import pipeline_for_job
+from parallel.pipeline_runner import PipelineRunner
+from parallel.plain_runner import PlainRunner
 
 __all__ = ["DistributedTrainer"]
 
@@ -83,11 +85,14 @@ class DistributedTrainer:
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
         self.full_copy = copy.deepcopy(model) if self.is_main else None
-        wrap = pipeline_for_job if job.config.pp > 1 else parallelize_for_job
+        wrap, runner = (pipeline_for_job, PipelineRunner) if job.config.pp > 1 else (parallelize_for_job, PlainRunner)
+        options = {"dp_group": self.dp_group, "attention_backend": c.train.attention_backend}
         # The KL reference exists from the start so that every checkpoint has the same entries; it is set to the
         # policy when RL begins (freeze_reference).
         self.reference = frozen(wrap(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None
+        self.reference_runner = None if self.reference is None else runner(self.reference, **options)
         self.model = wrap(model, job)
+        self.runner = runner(self.model, **options)
         self.optimizer = build_optimizers(self.model, lr=c.train.lr, weight_decay=c.train.weight_decay,
                                           betas=tuple(c.train.betas), implementation="for-loop")
         self.folder = Path(c.checkpoint.dir)
@@ -116,26 +121,11 @@ class DistributedTrainer:
 
     def policy(self) -> HybridForCausalLM | None:
         """Gather the full weights (every rank takes part) into rank 0's CPU copy and return it (None elsewhere)."""
-        if isinstance(self.model, PipelinedCausalLM):
-            full = self._gathered_stages()
-        else:
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = self.runner.full_state_dict()
         if not self.is_main:
             return None
         self.full_copy.load_state_dict(full)
         return self.full_copy
-
-    def _gathered_stages(self) -> dict[str, torch.Tensor]:
-        """The full state dict of every pipeline stage on rank 0 (empty elsewhere): each rank gathers its stages'
-        tensors from the FSDP2 shards, and the ranks of rank 0's pp group send theirs to it (on the CPU)."""
-        stages = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        group = self.model.pp_group
-        if 0 not in dist.get_process_group_ranks(group):
-            return {}
-        parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size(group))] \
-            if self.is_main else None
-        dist.gather_object({k: v.cpu() for k, v in stages.items()}, parts, dst=0, group=group)
-        return {k: v for part in parts for k, v in part.items()} if self.is_main else {}
 
     @torch.no_grad()
     def freeze_reference(self) -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PolicyLossConfig", "policy_loss", "token_normalizers", "LossTerms"]
+__all__ = ["PolicyLossConfig", "policy_loss", "LossTerms"]
 
 
 @dataclass(kw_only=True)
@@ -54,20 +54,6 @@ class LossTerms:
     tis_mean: torch.Tensor
 
 
-def token_normalizers(loss_mask_S: torch.Tensor, traj_index_S: torch.Tensor, num_trajectories: int, config: PolicyLossConfig):
-    """Per-position weights w_s such that sum_s w_s * l_s is the configured aggregation over the given positions.
-
-    Call it on the positions of the WHOLE step (all microbatches) and slice the result per microbatch.
-    Returns [S] float64.
-    """
-    mask = loss_mask_S.to(torch.float64)
-    if config.aggregation == "token-mean":
-        return mask / mask.sum().clamp(min=1.0)
-    per_traj = torch.zeros(num_trajectories, dtype=torch.float64, device=mask.device).index_add_(0, traj_index_S, mask)
-    trained = (per_traj > 0).sum().clamp(min=1)
-    return mask / per_traj[traj_index_S].clamp(min=1.0) / trained
-
-
 def policy_loss(
     logprobs_S: torch.Tensor,
     old_logprobs_S: torch.Tensor,
@@ -84,8 +70,8 @@ def policy_loss(
         old_logprobs_S: [S] log-probabilities of the policy that the ratio is taken against (the trainer's
             pre-update policy; for a single update per batch, `logprobs_S.detach()`).
         advantages_S: [S] per-token advantages.
-        token_weight_S: [S] per-token weights, zero on untrained positions: `token_normalizers(...)` times the
-            trajectory weights.
+        token_weight_S: [S] per-token weights, zero on untrained positions (`models.microbatch.token_weights`:
+            the step's normaliser times the trajectory weights).
         rollout_logprobs_S: [S] behaviour log-probabilities from the rollout engine (for truncated IS).
         ref_logprobs_S: [S] reference-policy log-probabilities (for the KL term).
     """

@@ -1,6 +1,6 @@
-"""Microbatch losses for `parallel.step.train_step`: SFT (token-mean NLL) and the RL policy loss, each plus the
-MoE router losses. Every metric is a sum over the microbatch (the step adds them over microbatches and replicas;
-means are sums / counts). A loss is made per step: it reads each microbatch's tensors from the step's `StepPlan`.
+"""Microbatch losses for `parallel.runner.StepRunner.train_step`: SFT (token-mean NLL) and the RL policy loss, each
+plus the MoE router losses. Every metric is a sum over the microbatch (the step adds them over microbatches and
+replicas; means are sums / counts). A loss reads its inputs from the microbatch it is handed (`Microbatch.loss`).
 
 Legend: S semantic positions of a microbatch (original order).
 """
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from app.losses import PolicyLossConfig, policy_loss
-from app.train_step import MicrobatchInputs, StepPlan, pooled_moe_stats
 from models.decoder import DecoderOutput
-from models.moe import load_balancing_loss, router_z_loss
-from parallel.step import MicrobatchLoss
+from models.microbatch import LossInputs
+from models.moe import load_balancing_loss, pooled_stats, router_z_loss
+from parallel.runner import MicrobatchLoss
 
 __all__ = ["RouterLossConfig", "router_loss", "sft_loss", "rl_loss"]
 
@@ -26,10 +26,10 @@ class RouterLossConfig:
     z_coef: float = 0.0
 
 
-def router_loss(mb: MicrobatchInputs, output: DecoderOutput, config: RouterLossConfig) -> torch.Tensor:
+def router_loss(mb: LossInputs, output: DecoderOutput, config: RouterLossConfig) -> torch.Tensor:
     """Load-balancing and z-loss of this microbatch's routers (all MoE layers pooled; rows weighted by their
     multiplicities), weighted by the microbatch's share of the step's tokens."""
-    pooled = pooled_moe_stats(output)
+    pooled = pooled_stats(output.moe_stats)
     zero = output.hidden.new_zeros((), dtype=torch.float32)
     if pooled is None or (config.aux_coef == 0 and config.z_coef == 0):
         return zero
@@ -37,7 +37,7 @@ def router_loss(mb: MicrobatchInputs, output: DecoderOutput, config: RouterLossC
     return mb.token_share * loss
 
 
-def _counts(mb: MicrobatchInputs, logprobs_S: torch.Tensor, entropy_S: torch.Tensor) -> dict[str, torch.Tensor]:
+def _counts(mb: LossInputs, logprobs_S: torch.Tensor, entropy_S: torch.Tensor) -> dict[str, torch.Tensor]:
     trained = mb.trained.to(logprobs_S.dtype)
     return {
         "trained_tokens": trained.sum(),
@@ -46,12 +46,12 @@ def _counts(mb: MicrobatchInputs, logprobs_S: torch.Tensor, entropy_S: torch.Ten
     }
 
 
-def sft_loss(router: RouterLossConfig, plan: StepPlan) -> MicrobatchLoss:
+def sft_loss(router: RouterLossConfig) -> MicrobatchLoss:
     """Negative log-likelihood of the trained (assistant) tokens under the step's normalisers (run with
     `train_step(..., entropy=True)`)."""
 
-    def loss_fn(logprobs_S, batch, output):
-        mb, entropy_S = plan.inputs_of(batch), output.entropy
+    def loss_fn(logprobs_S, microbatch, output):
+        mb, entropy_S = microbatch.loss, output.entropy
         nll = -(mb.token_weight.to(logprobs_S.dtype) * logprobs_S).sum()
         aux = router_loss(mb, output, router)
         return nll + aux, {**_counts(mb, logprobs_S, entropy_S), "router_loss": aux.detach()}
@@ -59,13 +59,13 @@ def sft_loss(router: RouterLossConfig, plan: StepPlan) -> MicrobatchLoss:
     return loss_fn
 
 
-def rl_loss(config: PolicyLossConfig, router: RouterLossConfig, plan: StepPlan) -> MicrobatchLoss:
+def rl_loss(config: PolicyLossConfig, router: RouterLossConfig) -> MicrobatchLoss:
     """`app.losses.policy_loss` (clipped surrogate, KL, truncated IS) plus router losses, with diagnostics: the
     trainer-vs-engine log-prob mismatch on trained tokens, clipping and IS-weight sums (run with
     `train_step(..., entropy=True)`)."""
 
-    def loss_fn(logprobs_S, batch, output):
-        mb, entropy_S = plan.inputs_of(batch), output.entropy
+    def loss_fn(logprobs_S, microbatch, output):
+        mb, entropy_S = microbatch.loss, output.entropy
         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs_S.detach()
         terms = policy_loss(
             logprobs_S, old.to(logprobs_S.dtype), mb.advantage, mb.token_weight, config,

@@ -8,7 +8,7 @@
 The same loop runs in one process (app.trainer.LocalTrainer) and on every rank of a torchrun launch
 (app.distributed_trainer.DistributedTrainer): the main rank builds the trees (or demonstrations) and plans the
 step's microbatches for the job's D data-parallel replicas, every rank trains its replica's microbatches with
-`parallel.step.train_step`, step metrics are summed over the replicas, and the main rank alone talks to the engine,
+its step runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank alone talks to the engine,
 logs and prints.
 
 Every step's task set comes from a generator seeded by (train.seed, phase, step), so a resumed run samples the same
@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 from rich.console import Console
-from torch import nn
 
 from app.advantages import assign_advantages
 from app.checkpoint import rng_state, set_rng_state
@@ -41,13 +40,15 @@ from app.metrics import MetricsLog, new_run_name
 from app.objectives import RouterLossConfig, rl_loss, sft_loss
 from app.policy import build_policy, resolve_device
 from app.progress import CountingEngine, JobProgress
-from app.train_step import StepPlan, optimizer_step, prepare_step
+from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
 from app.tree_picture import render_tree
 from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors, save_hf
+from models.microbatch import Microbatch
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.step import StepMetrics, score, train_step
+from parallel.replica import prepare_replica
+from parallel.runner import StepMetrics
 from planner.microbatch import MicrobatchPlan, plan_microbatches
 from planner.trajectory import Trajectory
 from rollout import EngineError, EnvironmentOutputError, build_trees, demonstration_tree
@@ -127,12 +128,10 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         self.env = make_environment(c.rollout.env, c.rollout.env_options)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
-        linear = model.config.linear_attention
-        chunk_size = linear.chunk_size if linear is not None else 64
-        if c.planner.chunk_size is not None and c.planner.chunk_size != chunk_size:
+        if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
             raise ConfigError(
                 f"`planner.chunk_size` = {c.planner.chunk_size} differs from the model's linear-attention chunk size "
-                f"{chunk_size}: leave it unset"
+                f"{model.config.chunk_size}: leave it unset"
             )
         self.trainer = _build_trainer(c, model)
         self.main = self.trainer.is_main
@@ -186,21 +185,17 @@ class _Job:
         plan = plan_microbatches(trajectories, self.config.planner.capacity, self.trainer.dp)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
-    def _prepare(self, shared: SharedBatch, aggregation) -> StepPlan:
+    def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch]:
+        """This replica's microbatches of the step, with their loss inputs."""
         t = self.trainer
-        return prepare_step(shared.trajectories, shared.plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
-                            model_config=t.model.config, aggregation=aggregation, device=t.device)
+        return prepare_replica(shared.trajectories, shared.plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
+                               model_config=t.model.config, aggregation=aggregation, device=t.device)
 
-    def _score(self, model: HybridForCausalLM, plan: StepPlan, temperature: float) -> list[torch.Tensor]:
-        return score(model, plan.microbatches, dp_group=self.trainer.dp_group, temperature=temperature,
-                     attention_backend=self.config.train.attention_backend)
-
-    def _update(self, plan: StepPlan, loss_fn, lr: float, temperature: float, label: str) -> Update:
+    def _update(self, microbatches: list[Microbatch], loss_fn, lr: float, temperature: float, label: str) -> Update:
         """One forward/backward over the step and an optimizer step; a non-finite loss or norm skips it."""
         t = self.trainer
         t.set_lr(lr)
-        metrics = train_step(t.model, plan.microbatches, loss_fn, dp_group=t.dp_group, temperature=temperature,
-                             entropy=True, attention_backend=self.config.train.attention_backend)
+        metrics = t.runner.train_step(microbatches, loss_fn, temperature=temperature, entropy=True)
         update = Update(metrics, reduce_step(metrics, t.dp_group, t.device), lr)
         if not math.isfinite(update.step["loss"]):
             t.optimizer.zero_grad(set_to_none=True)
@@ -210,7 +205,7 @@ class _Job:
             self.console.print(f"[yellow]{label}: non-finite loss in {where}; skipping this optimizer step[/yellow]")
             return update
         start = time.perf_counter()
-        update.grad_norm, stepped = optimizer_step(t.model, t.optimizer, self.config.train.grad_clip)
+        update.grad_norm, stepped = optimizer_step(t.runner, t.optimizer, self.config.train.grad_clip)
         update.optimizer_seconds = time.perf_counter() - start
         if not stepped:
             update.skipped = True
@@ -224,9 +219,8 @@ class _Job:
         rate = self.config.train.expert_bias_rate
         if rate == 0:
             return
-        layers = self.trainer.model.model.layers  # under pipeline parallelism: this rank's, keyed by layer index
-        for i, layer in layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers):
-            counts = expert_counts[int(i)]
+        for i, layer in self.trainer.runner.decoder_layers().items():
+            counts = expert_counts[i]
             if counts is not None and layer.mlp.config.expert_bias:
                 layer.mlp.gate.update_expert_bias(counts, rate)
 
@@ -249,9 +243,9 @@ class _Job:
         for s in range(self.done.sft_done, c.train.sft_steps):
             start = time.perf_counter()
             shared = self.trainer.share(lambda: self._demonstrations(s))
-            plan = self._prepare(shared, "token-mean")
+            microbatches = self._prepare(shared, "token-mean")
             lr = self._lr(c.train.sft_lr or c.train.lr, s)
-            update = self._update(plan, sft_loss(self.router, plan), lr, 1.0, f"SFT step {s + 1}")
+            update = self._update(microbatches, sft_loss(self.router), lr, 1.0, f"SFT step {s + 1}")
             self.done.sft_done = s + 1
             values = {"sft/lr": lr, "sft/skipped": float(update.skipped), "time/step": time.perf_counter() - start}
             step = update.step
@@ -339,18 +333,20 @@ class _Job:
         t = self.trainer
         t0 = time.perf_counter()
         shared = t.share(lambda: self._rollout(step, bars))
-        plan = self._prepare(shared, c.rl.aggregation)
+        microbatches = self._prepare(shared, c.rl.aggregation)
         t1 = time.perf_counter()
         temperature = c.rollout.temperature
-        if t.reference is not None:
-            plan.set_ref_logprobs(self._score(t.reference, plan, temperature))
+        if t.reference_runner is not None:
+            for mb, ref in zip(microbatches, t.reference_runner.score(microbatches, temperature=temperature)):
+                mb.loss.ref_logprobs = ref
         if c.rl.epochs > 1:
-            plan.set_old_logprobs(self._score(t.model, plan, temperature))
-        loss_fn = rl_loss(c.rl, self.router, plan)
+            for mb, old in zip(microbatches, t.runner.score(microbatches, temperature=temperature)):
+                mb.loss.old_logprobs = old
+        loss_fn = rl_loss(c.rl, self.router)
         train_bar = bars.transient("train", c.rl.epochs)
         first, updated = None, False
         for epoch in range(c.rl.epochs):
-            update = self._update(plan, loss_fn, self._lr(c.train.lr, step), temperature,
+            update = self._update(microbatches, loss_fn, self._lr(c.train.lr, step), temperature,
                                   f"RL step {step + 1} epoch {epoch + 1}")
             if first is None:
                 first = update

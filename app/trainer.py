@@ -23,6 +23,7 @@ from app.checkpoint import Checkpointer
 from app.config import JobConfig
 from app.config_loader import ConfigError
 from models.decoder import HybridForCausalLM
+from parallel.plain_runner import PlainRunner
 
 __all__ = ["LocalTrainer", "frozen"]
 
@@ -54,7 +55,10 @@ class LocalTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.train.lr, betas=tuple(c.train.betas), weight_decay=c.train.weight_decay
         )
+        self.runner = PlainRunner(self.model, attention_backend=c.train.attention_backend)
         self.reference: HybridForCausalLM | None = None
+        self.reference_runner: PlainRunner | None = None
+        self.attention_backend = c.train.attention_backend
         self.checkpoints = Checkpointer(c.checkpoint.dir, c.checkpoint.keep)
 
     def share(self, fn: Callable[[], T]) -> T:
@@ -69,6 +73,7 @@ class LocalTrainer:
 
     def freeze_reference(self) -> None:
         self.reference = frozen(copy.deepcopy(self.model))
+        self.reference_runner = PlainRunner(self.reference, attention_backend=self.attention_backend)
 
     def save(self, step: int, state: dict[str, Any]) -> str:
         """Write the checkpoint of `step`; returns its folder."""

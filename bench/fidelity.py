@@ -27,18 +27,18 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from models.decoder import HybridForCausalLM
-from models.dtypes import upcast
+from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
 from models.logprobs import compact_logprobs
+from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import MoEStats, load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
-from models.tree.layout import TreeLayout
-from planner.calls import ExecutionPlan, plan_calls
 from planner.jsonl import read_jsonl
 from planner.pack import CompactBatch, pack
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+#: What the comparison runs in (float16 has no use here).
+RUN_DTYPES = ("float64", "float32", "bfloat16")
 POSITION_CHUNK = 2048
 
 
@@ -135,12 +135,10 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
     return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start)
 
 
-def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool,
-             backend: str) -> tuple[Run, ExecutionPlan, TreeLayout]:
+def tree_run(model, trajectories, device, replay: bool, backend: str) -> tuple[Run, Microbatch]:
     start = time.perf_counter()
-    plan = plan_calls(batch, chunk_size, replay=replay)
-    conv = model.config.linear_attention.conv_size if model.config.linear_attention else 4
-    layout = TreeLayout.build(batch, plan, conv, device)
+    mb = prepare_microbatch(trajectories, model.config, device, replay=replay)
+    batch, layout = mb.batch, mb.layout
     out = tree_hidden_states(model, layout, backend)
     valid = layout.logit_row >= 0
     rows = torch.where(valid, layout.logit_row, torch.zeros_like(layout.logit_row))
@@ -150,7 +148,7 @@ def tree_run(model, batch: CompactBatch, device, chunk_size: int, replay: bool,
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     _sync(device)
-    return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start), plan, layout
+    return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start), mb
 
 
 def float64_run(model, batch: CompactBatch, device) -> Run:
@@ -175,16 +173,17 @@ def layer_outputs(model, forward) -> list[torch.Tensor]:
     return captured
 
 
-def per_layer_divergence(model, batch: CompactBatch, plan, layout: TreeLayout, backend: str, device) -> list[dict]:
+def per_layer_divergence(model, mb: Microbatch, backend: str, device) -> list[dict]:
     """Per decoder layer, the fraction of semantic positions whose layer output is not bitwise equal to the flat
     reference's, by the position's handoff depth: for Arbor and for the reference packed in reverse order. Locates
     where (layer, depth) a low-precision tree run first departs from the reference, and how it spreads."""
+    batch, plan = mb.batch, mb.plan
     ids, pos, cu, _ = packed_inputs(batch, device)
     flat = layer_outputs(model, lambda: model.hidden_states(ids, pos, cu))
     ids_r, pos_r, cu_r, unpack = packed_inputs(batch, device, reverse=True)
     repacked = [x[unpack] for x in layer_outputs(model, lambda: model.hidden_states(ids_r, pos_r, cu_r))]
     sem_rows = torch.as_tensor(plan.compact_to_physical[batch.sem_to_compact], device=device)
-    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(layout, backend))]
+    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(mb.layout, backend))]
     depth = torch.as_tensor(plan.handoff_depth[batch.sem_to_compact], device=device)
     depths = torch.unique(depth).tolist()
 
@@ -253,7 +252,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     model = build_model(args)
     model.set_activation_checkpointing(args.recompute)
-    chunk = model.config.linear_attention.chunk_size if model.config.linear_attention else (args.chunk_size or 64)
+    chunk = model.config.chunk_size
     if args.trajectories:
         trajectories = read_jsonl(args.trajectories)
         source = args.trajectories
@@ -278,17 +277,17 @@ def run(args) -> dict:
         run_.grads = None
         runs[name] = run_
 
-    arbor, plan, layout = tree_run(model, batch, device, chunk, True, args.attention)
+    arbor, mb = tree_run(model, trajectories, device, True, args.attention)
     # Handoff depth of the row whose logits predict each position (the previous position's row).
-    depth = plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
+    depth = mb.plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
     measure("arbor", arbor)
-    measure("no_replay", tree_run(model, batch, device, chunk, False, args.attention)[0])
+    measure("no_replay", tree_run(model, trajectories, device, False, args.attention)[0])
     measure("flat_rerun", flat_run(model, batch, device))
     measure("flat_repacked", flat_run(model, batch, device, reverse=True))
     ref.grads = None
     oracle = float64_run(model, batch, device) if args.oracle else None
     if args.per_layer:
-        divergence = per_layer_divergence(model, batch, plan, layout, args.attention, device)
+        divergence = per_layer_divergence(model, mb, args.attention, device)
     result = {
         "model": args.hf or args.model,
         "device": args.device,
@@ -299,9 +298,9 @@ def run(args) -> dict:
         "num_trajectories": batch.num_trajectories,
         "semantic_tokens": batch.num_semantic,
         "compact_tokens": batch.num_compact,
-        "num_rounds": plan.num_rounds,
-        "total_replay": plan.total_replay,
-        "max_handoff_depth": int(plan.handoff_depth.max()),
+        "num_rounds": mb.plan.num_rounds,
+        "total_replay": mb.plan.total_replay,
+        "max_handoff_depth": int(mb.plan.handoff_depth.max()),
         **metrics["arbor"],
         **{name: metrics[name] for name in ("flat_rerun", "flat_repacked", "no_replay")},
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
@@ -358,7 +357,7 @@ def main(argv=None) -> int:
     source.add_argument("--hf", help="local Hugging Face checkpoint directory")
     parser.add_argument("--trajectories", help="TRAJ.jsonl (default: generated nested-fork trees)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float64", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="float64", choices=RUN_DTYPES)
     parser.add_argument("--chunk-size", type=int, default=None, help="linear-attention chunk size (preset default)")
     parser.add_argument("--recompute", action="store_true",
                         help="full-layer activation recomputation in every run (same forward numerics; large inputs)")

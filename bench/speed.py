@@ -5,10 +5,11 @@
 One process, one model (random init), full-layer activation recomputation, the same kernels in both modes:
 - baseline: trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit in input
   order, no sharing), flat packed varlen forward, log-probs, loss, backward;
-- Arbor: the prefix-aware microbatch plan (capacity = compact tokens), then per microbatch pack -> minimum-call
-  plan -> TreeLayout -> tree forward -> mapped log-probs -> the same loss -> backward.
-F/B/Grad time = everything after planning except the optimizer (incl. Arbor's layout materialisation); Core adds
-Arbor's planning (microbatch planner, packing, call planner). Both modes accumulate gradients over all their
+- Arbor: the prefix-aware microbatch plan (capacity = compact tokens), then per microbatch
+  `models.microbatch.prepare_microbatch` (pack -> minimum-call plan -> TreeLayout, as every trainer rank does) ->
+  tree forward -> mapped log-probs -> the same loss -> backward.
+F/B/Grad time = everything after the microbatch plan except the optimizer (incl. Arbor's per-microbatch
+preparation); Core adds Arbor's microbatch planner. Both modes accumulate gradients over all their
 microbatches. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression ~1.2). The `auto`
 mode runs each Arbor microbatch as a tree when a linear cost model fitted to this run's own measurements predicts
 that faster than its flat expansion, and packs the trajectories of all other microbatches flat like the baseline.
@@ -28,13 +29,11 @@ import torch
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
+from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
-from models.tree.layout import TreeLayout
-from planner.calls import plan_calls
 from planner.microbatch import plan_microbatches
-from planner.pack import pack
 from planner.trajectory import Trajectory
 
 #: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
@@ -106,14 +105,20 @@ def flat_step(model, trajectories, device, normalizer) -> None:
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
 
 
-def tree_step(model, batch, plan, device, normalizer, backend) -> dict:
-    layout = TreeLayout.build(batch, plan, model.config.linear_attention.conv_size, device)
+def tree_step(model, trajectories, device, normalizer, backend) -> Microbatch:
+    mb = prepare_microbatch(trajectories, model.config, device)
+    layout = mb.layout
     out = tree_hidden_states(model, layout, backend)
     lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
     mask = (layout.logit_row >= 0).to(lp.dtype)
-    adv = torch.as_tensor(batch.advantage, device=device, dtype=lp.dtype)
+    adv = torch.as_tensor(mb.batch.advantage, device=device, dtype=lp.dtype)
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
-    return {"view_rows": int(layout.attention.kv_index.numel())}
+    return mb
+
+
+def view_rows(mb: Microbatch) -> int:
+    """Rows of the gathered ancestor views of the microbatch's full attention."""
+    return int(mb.layout.attention.kv_index.numel())
 
 
 def timed(fn, device):
@@ -140,18 +145,12 @@ def run_workload(name, trajectories, model, args, device) -> dict:
         t.advantage = rng.normal(size=len(t))
     S = sum(len(t) for t in trajectories)
     normalizer = float(S)
-    chunk = model.config.linear_attention.chunk_size
 
-    # Arbor planning (charged to Core only).
+    # Arbor's microbatch plan (charged to Core only).
     start = time.perf_counter()
     mplan = plan_microbatches(trajectories, args.capacity, 1)
-    groups = [list(mb.trajectories) for mb in mplan.microbatches]
-    batches = [pack([trajectories[i] for i in g]) for g in groups]
-    plans = [plan_calls(b, chunk) for b in batches]
     plan_seconds = time.perf_counter() - start
-    C = sum(b.num_compact for b in batches)
-    attention_flat = flat_pairs(trajectories)
-    attention_tree = sum(tree_pairs(b) for b in batches)
+    groups = [list(mb.trajectories) for mb in mplan.microbatches]
     flat_groups = first_fit_flat(trajectories, args.capacity)
 
     def run_flat(group):
@@ -168,36 +167,40 @@ def run_workload(name, trajectories, model, args, device) -> dict:
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            times, extra = [], []
+            times, mbs = [], []
             if mode == "flat":
                 for g in flat_groups:
                     dt, _ = timed(lambda: run_flat(g), device)
                     times.append(dt)
             else:
-                for b, p in zip(batches, plans):
-                    dt, info = timed(lambda: tree_step(model, b, p, device, normalizer, args.attention), device)
+                for g in groups:
+                    sub = [trajectories[i] for i in g]
+                    dt, mb = timed(lambda: tree_step(model, sub, device, normalizer, args.attention), device)
                     times.append(dt)
-                    extra.append(info)
+                    mbs.append(mb)
             if timed_pass >= args.warmup:
                 passes.append(times)
         times = [min(ts) for ts in zip(*passes)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        per_mb[mode] = (times, extra)
+        per_mb[mode] = (times, mbs)
         results[mode] = {"seconds": sum(times), "microbatches": len(times), "peak_gib": peak}
         print(f"{name} {mode}: {len(times)} microbatches, {sum(times):.2f} s "
               f"({', '.join(f'{t:.2f}' for t in times)})", file=sys.stderr, flush=True)
 
+    mbs = per_mb["tree"][1]
+    batches = [mb.batch for mb in mbs]
+    C = sum(b.num_compact for b in batches)
+    attention_flat = flat_pairs(trajectories)
+    attention_tree = sum(tree_pairs(b) for b in batches)
     flops_token = 6 * active_params(model)
     peak_flops = PEAK_FLOPS.get(device.type)
     fbg = results["flat"]["seconds"] / results["tree"]["seconds"]
     core = results["flat"]["seconds"] / (results["tree"]["seconds"] + plan_seconds)
 
-    state = {"groups": groups, "batches": batches, "plans": plans, "trajectories": trajectories,
-             "normalizer": normalizer,
+    state = {"groups": groups, "batches": batches, "trajectories": trajectories, "normalizer": normalizer,
              "flat_samples": [(sum(len(trajectories[i]) for i in g), t)
                               for g, t in zip(flat_groups, per_mb["flat"][0])],
-             "tree_samples": [(b.num_compact, e["view_rows"], t)
-                              for b, e, t in zip(batches, per_mb["tree"][1], per_mb["tree"][0])]}
+             "tree_samples": [(mb.batch.num_compact, view_rows(mb), t) for mb, t in zip(mbs, per_mb["tree"][0])]}
     return {
         "workload": name,
         "trajectories": len(trajectories),
@@ -205,9 +208,9 @@ def run_workload(name, trajectories, model, args, device) -> dict:
         "compact_tokens": C,
         "compression": S / C,
         "attention_compression": attention_flat / attention_tree,
-        "replay_tokens": int(sum(p.total_replay for p in plans)),
-        "rounds_max": int(max(p.num_rounds for p in plans)),
-        "attention_view_rows": int(sum(e["view_rows"] for e in per_mb["tree"][1])),
+        "replay_tokens": int(sum(mb.plan.total_replay for mb in mbs)),
+        "rounds_max": int(max(mb.plan.num_rounds for mb in mbs)),
+        "attention_view_rows": sum(view_rows(mb) for mb in mbs),
         "planning_seconds": plan_seconds,
         "flat": results["flat"],
         "tree": results["tree"],
@@ -250,9 +253,10 @@ def run_auto(state: dict, cost: dict, model, args, device) -> dict:
     for timed_pass in range(args.warmup + args.repeat):
         model.zero_grad(set_to_none=True)
         seconds = 0.0
-        for b, p, use_tree in zip(state["batches"], state["plans"], choices):
+        for g, use_tree in zip(state["groups"], choices):
             if use_tree:
-                seconds += timed(lambda: tree_step(model, b, p, device, normalizer, args.attention), device)[0]
+                sub = [trajectories[i] for i in g]
+                seconds += timed(lambda: tree_step(model, sub, device, normalizer, args.attention), device)[0]
         for fg in flat_groups:
             sub = [trajectories[i] for i in fg]
             seconds += timed(lambda: flat_step(model, sub, device, normalizer), device)[0]

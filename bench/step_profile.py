@@ -29,7 +29,6 @@ from bench.speed import first_fit_flat, flat_pairs, flat_step, sync, tree_pairs,
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
-from planner.calls import plan_calls
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
 
@@ -98,13 +97,13 @@ def main(argv=None) -> int:
     trajs = swe_like_step(0, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
     flat = max(first_fit_flat(trajs, args.capacity), key=lambda g: sum(len(trajs[i]) for i in g))
     flat_trajs = [trajs[i] for i in flat]
-    batch = pack([trajs[i] for i in plan_microbatches(trajs, args.capacity, 1).microbatches[0].trajectories])
-    plan = plan_calls(batch, config.linear_attention.chunk_size)
+    tree_trajs = [trajs[i] for i in plan_microbatches(trajs, args.capacity, 1).microbatches[0].trajectories]
+    batch = pack(tree_trajs)
     print(f"flat microbatch: {sum(len(t) for t in flat_trajs):,} tokens; tree microbatch: {batch.num_compact:,} "
           f"compact rows, {batch.num_semantic:,} semantic")
     modes = {
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
-        "tree": lambda: tree_step(model, batch, plan, dev, 1e6, args.attention),
+        "tree": lambda: tree_step(model, tree_trajs, dev, 1e6, args.attention),
     }
     work = {
         "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": flat_pairs(flat_trajs)},

@@ -281,3 +281,14 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    @property
+    def chunk_size(self) -> int:
+        """Chunk size B of the linear-attention layers, the chunk geometry of tree plans; a model without linear
+        attention still plans with fla's usual 64 (it changes nothing there)."""
+        return self.linear_attention.chunk_size if self.linear_attention is not None else 64
+
+    @property
+    def conv_size(self) -> int:
+        """Short-conv width W of the linear-attention layers (1: no conv context to carry)."""
+        return self.linear_attention.conv_size if self.linear_attention is not None else 1

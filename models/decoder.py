@@ -159,6 +159,26 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
 
 
+def run_layers(layers: Iterable[DecoderLayer], x_TD: torch.Tensor,
+               ctx: FlatContext | TreeContext) -> tuple[torch.Tensor, list[MoEStats | None]]:
+    """The layer loop of every forward (the whole model's, and one pipeline stage's): rows `[T, D]` through
+    `layers` in order -> (rows `[T, D]`, per layer its MoE statistics or None). Each layer is entered as a module,
+    so wrappers that hook `forward` (FSDP2) see it."""
+    stats: list[MoEStats | None] = []
+    for layer in layers:
+        x_TD, s = layer(x_TD, ctx)
+        stats.append(s)
+    return x_TD, stats
+
+
+def temperature_scaled(hidden_CD: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Final-normed rows `[C, D]` divided by the sampling temperature: the LM head then gives the logits of
+    softmax(logits / temperature), the distribution a rollout engine sampled from."""
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    return hidden_CD if temperature == 1.0 else hidden_CD / temperature
+
+
 def flat_context(T: int, position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None, device) -> FlatContext:
     """Validate packed inputs and fill defaults: one sequence if no cu_seqlens; positions restart per sequence."""
     if cu_seqlens is None:
@@ -269,12 +289,9 @@ class HybridForCausalLM(nn.Module):
         return self.decode(self.model.embed_tokens(layout.tokens), TreeContext(layout, attention_backend))
 
     def decode(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> DecoderOutput:
-        """The layer loop of both forwards: embedded rows `[T, D]` -> final-normed hidden states and per-layer MoE
-        statistics. Each layer is entered as a module (so wrappers that hook `forward`, like FSDP2, see it)."""
-        stats: list[MoEStats | None] = []
-        for layer in self.model.layers:
-            x_TD, s = layer(x_TD, ctx)
-            stats.append(s)
+        """Both forwards after the embedding: rows `[T, D]` -> `run_layers` -> final norm, with per-layer MoE
+        statistics."""
+        x_TD, stats = run_layers(self.model.layers, x_TD, ctx)
         return DecoderOutput(self.model.norm(x_TD), stats)
 
     def compact_logprobs(
@@ -318,10 +335,7 @@ class HybridForCausalLM(nn.Module):
         of fp32 scratch). Log-probs and entropies are those of softmax(logits / temperature), the distribution a
         rollout engine sampled from: the final-normed rows `[C, D]` are divided by the temperature before the LM
         head (`hidden` of the output stays undivided)."""
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature}")
         out = self.tree_hidden_states(layout, attention_backend)
-        hidden_CD = out.hidden if temperature == 1.0 else out.hidden / temperature
-        result = self.compact_logprobs(hidden_CD, layout, chunk_rows, entropy)
+        result = self.compact_logprobs(temperature_scaled(out.hidden, temperature), layout, chunk_rows, entropy)
         logprobs, entropy_S = result if entropy else (result, None)
         return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)

@@ -80,6 +80,18 @@ class MoEStats:
         )
 
 
+def pooled_stats(per_layer: list[MoEStats | None]) -> MoEStats | None:
+    """The router statistics of all MoE layers of one forward (None for dense layers), pooled (transformers'
+    load-balancing form); None without MoE layers."""
+    stats = [s for s in per_layer if s is not None]
+    if not stats:
+        return None
+    pooled = stats[0]
+    for s in stats[1:]:
+        pooled = pooled + s
+    return pooled
+
+
 def load_balancing_loss(stats: MoEStats) -> torch.Tensor:
     """E * sum_e f_e P_e with f = expert_counts / tokens, P = prob_mass / tokens."""
     E = stats.prob_mass.shape[0]

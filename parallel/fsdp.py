@@ -5,45 +5,57 @@ of each MoE layer (sharded over the ranks that hold the same experts: `ParallelM
 tp > 1 may include tp ranks, since those route different rows there), and the root (embeddings, final norm,
 LM head; FSDP2 keeps root parameters gathered from forward to backward, which the LM head read by the log-probs
 needs). Gradients are summed, not averaged, across replicas: the loss of every microbatch is already divided by
-the global normaliser of the step (`parallel.step`), so the sum over replicas is the gradient of the step loss.
+the global normaliser of the step (`parallel.runner`), so the sum over replicas is the gradient of the step loss.
 On gloo, reduce-scatter cannot take PREMUL_SUM (measured on torch 2.13 and 2.14), so reductions are forced to SUM.
+
+Under pipeline parallelism every stage part of this rank is a root of its own, with its layers as units, and
+layers are not resharded after forward by default (torchtitan's policy: every microbatch would gather the
+parameters again).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from models.decoder import HybridForCausalLM
+from models.decoder import DecoderLayer
+from models.dtypes import DTYPES
 from models.moe import MoE
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelMeshes
 
 __all__ = ["apply_fsdp"]
 
-_DTYPES = {"model": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
+def apply_fsdp(roots: Sequence[nn.Module], meshes: ParallelMeshes, config: ParallelConfig, *,
+               pp_enabled: bool = False) -> None:
+    """fully_shard the units above (in place): `roots` is the whole model, or this rank's pipeline stage parts
+    (`pp_enabled`). Degree-1 meshes still get FSDP2, for its mixed-precision casts and the DTensor gradient
+    handling of tensor/expert-parallel parameters."""
+    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 
-def apply_fsdp(model: HybridForCausalLM, meshes: ParallelMeshes, config: ParallelConfig) -> None:
-    """fully_shard the units above (in place). Degree-1 meshes still get FSDP2, for its mixed-precision casts and
-    the DTensor gradient handling of tensor/expert-parallel parameters."""
+    compute = lambda name: None if name == "model" else DTYPES[name]  # noqa: E731  ("model": keep the dtype)
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[config.param_dtype],
-        reduce_dtype=_DTYPES[config.reduce_dtype],
+        param_dtype=compute(config.param_dtype),
+        reduce_dtype=compute(config.reduce_dtype),
         # Inputs keep their dtype (fp32 positions and row weights stay fp32).
         cast_forward_inputs=False,
     )
-    reshard = config.reshard_after_forward != "never"
-    for layer in model.model.layers:
-        if config.ep > 1 and isinstance(layer.mlp, MoE):
-            fully_shard(layer.mlp.experts, mesh=meshes.expert_fsdp, mp_policy=mp_policy,
-                        reshard_after_forward=reshard)
-        fully_shard(layer, mesh=meshes.dense_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=meshes.dense_fsdp, mp_policy=mp_policy)
+    reshard = get_fsdp_reshard_after_forward_policy(config.reshard_after_forward, pp_enabled)
+    for root in roots:
+        for layer in [m for m in root.modules() if isinstance(m, DecoderLayer)]:
+            if config.ep > 1 and isinstance(layer.mlp, MoE):
+                fully_shard(layer.mlp.experts, mesh=meshes.expert_fsdp, mp_policy=mp_policy,
+                            reshard_after_forward=reshard)
+            fully_shard(layer, mesh=meshes.dense_fsdp, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(root, mesh=meshes.dense_fsdp, mp_policy=mp_policy)
     gloo = dist.get_backend() == "gloo"
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            if gloo:
-                module.set_force_sum_reduction_for_comms(True)
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                if gloo:
+                    module.set_force_sum_reduction_for_comms(True)

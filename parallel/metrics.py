@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.step import StepMetrics
+from parallel.runner import StepMetrics
 
 __all__ = ["reduce_step", "global_expert_counts", "build_metrics_logger"]
 

@@ -40,8 +40,8 @@ def apply_compile(model: HybridForCausalLM, backend: str) -> None:
 def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config: ParallelConfig) -> HybridForCausalLM:
     """Wrap `model` in place for `meshes` (built from the same resolved `config`) and return it.
 
-    After this, run microbatches with `parallel.step.train_step` (or `models.tree.execute.tree_logprobs`); the
-    parameters are DTensors (save them with `parallel.checkpoint`).
+    After this, run microbatches with `parallel.plain_runner.PlainRunner` (or `models.tree.execute.tree_logprobs`);
+    the parameters are DTensors (save them with `parallel.checkpoint`).
     """
     config.validate(model.config)
     if config.tp > 1:
@@ -52,5 +52,5 @@ def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config:
     model.set_activation_checkpointing(config.activation_checkpointing == "full")
     if config.compile:
         apply_compile(model, config.compile_backend)
-    apply_fsdp(model, meshes, config)
+    apply_fsdp([model], meshes, config)
     return model

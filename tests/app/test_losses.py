@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from app.advantages import assign_advantages
-from app.losses import PolicyLossConfig, policy_loss, token_normalizers
+from app.losses import PolicyLossConfig, policy_loss
 from planner.trajectory import Trajectory
 
 
@@ -36,15 +36,6 @@ def test_kl_and_tis():
     assert terms.policy.item() == pytest.approx(-(w * tis).sum().item())
     with pytest.raises(ValueError, match="reference log-probs"):
         policy_loss(lp, lp, torch.ones(2), w, cfg, rollout, None)
-
-
-def test_normalizers_split_over_microbatches():
-    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
-    traj = torch.tensor([0, 0, 0, 1, 1, 1, 1])
-    tok = token_normalizers(mask, traj, 2, PolicyLossConfig(aggregation="token-mean"))
-    assert tok.sum().item() == pytest.approx(1.0) and tok[1].item() == pytest.approx(1 / 5)
-    seq = token_normalizers(mask, traj, 2, PolicyLossConfig(aggregation="seq-mean-token-mean"))
-    assert seq[1].item() == pytest.approx(0.5 / 2) and seq[4].item() == pytest.approx(0.5 / 3)
 
 
 def test_bad_config():

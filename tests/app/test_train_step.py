@@ -1,11 +1,11 @@
 """The tree-executed, microbatched training step equals the trajectory-wise step on the whole batch (float64).
 
 Reference: every trajectory through the model's flat forward separately (no trie, no plan), log-softmax of
-logits / temperature, app.losses.token_normalizers over all positions of the step, one policy_loss, one backward.
-Tested: the step loss and every parameter gradient after gradient accumulation over several planned microbatches
-(app.train_step.prepare_step + parallel.step.train_step, the path of every rank), with KL, truncated IS, both
-aggregations and a sampling temperature; `parallel.step.score` against the same reference; non-finite losses and
-skipped optimizer steps.
+logits / temperature, tests.reference.reference_token_weights over all positions of the step, one policy_loss, one
+backward. Tested: the step loss and every parameter gradient after gradient accumulation over several planned
+microbatches (parallel.replica.prepare_replica + parallel.plain_runner.PlainRunner.train_step, the path of every
+rank), with KL, truncated IS, both aggregations and a sampling temperature; `PlainRunner.score` against the same
+reference; non-finite losses and skipped optimizer steps (app.train_step.optimizer_step).
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from app.losses import PolicyLossConfig, policy_loss, token_normalizers
+from app.losses import PolicyLossConfig, policy_loss
 from app.objectives import RouterLossConfig, rl_loss
-from app.train_step import optimizer_step, prepare_step
+from app.train_step import optimizer_step
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.presets import preset
-from parallel.step import score, train_step
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_replica
 from planner.microbatch import plan_microbatches
+from tests.reference import reference_token_weights
 
 CHUNK = 16
 #: float64 on both sides: only summation order differs.
@@ -59,8 +61,8 @@ def step_trajectories(seed: int = 0):
 
 def plan_step(trajectories, model, capacity: int, aggregation: str = "token-mean"):
     plan = plan_microbatches(trajectories, capacity, 1)
-    return prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
-                        aggregation=aggregation, device=torch.device("cpu"))
+    return prepare_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                           aggregation=aggregation, device=torch.device("cpu"))
 
 
 def flat_step(model, trajectories, config: PolicyLossConfig, temperature: float):
@@ -77,7 +79,7 @@ def flat_step(model, trajectories, config: PolicyLossConfig, temperature: float)
     starts = np.cumsum([0] + [len(t) for t in trajectories[:-1]])
     mask[starts] = False
     traj_index = torch.as_tensor(np.repeat(np.arange(len(trajectories)), [len(t) for t in trajectories]))
-    weights = token_normalizers(mask, traj_index, len(trajectories), config)
+    weights = reference_token_weights(mask, traj_index, len(trajectories), config.aggregation)
     weights = weights * torch.as_tensor([t.weight for t in trajectories], dtype=torch.float64)[traj_index]
     terms = policy_loss(logprobs_S, logprobs_S.detach(), cat("advantage"), weights, config,
                         rollout_logprobs_S=cat("logprobs"), ref_logprobs_S=cat("ref_logprobs"))
@@ -94,10 +96,10 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
     loss, flat_logprobs = flat_step(reference, trajectories, config, temperature)
     loss.backward()
 
-    plan = plan_step(trajectories, tree, 160, aggregation)
-    assert len(plan.microbatches) >= 3, "the step must be split for gradient accumulation to matter"
-    result = train_step(tree, plan.microbatches, rl_loss(config, RouterLossConfig(), plan), temperature=temperature,
-                        entropy=True)
+    mbs = plan_step(trajectories, tree, 160, aggregation)
+    assert len(mbs) >= 3, "the step must be split for gradient accumulation to matter"
+    runner = PlainRunner(tree)
+    result = runner.train_step(mbs, rl_loss(config, RouterLossConfig()), temperature=temperature, entropy=True)
     assert result.non_finite is None
     assert abs(result.loss - loss.item()) <= TOL * max(1.0, abs(loss.item()))
     for (name, p_ref), p_tree in zip(reference.named_parameters(), tree.parameters()):
@@ -108,7 +110,7 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
     # score() returns the same log-probs as the flat forward, per microbatch in its own trajectory order.
     offsets = np.cumsum([0] + [len(t) for t in trajectories])
     index = {id(t): i for i, t in enumerate(trajectories)}
-    for mb, scored in zip(plan.microbatches, score(tree, plan.microbatches, temperature=temperature)):
+    for mb, scored in zip(mbs, runner.score(mbs, temperature=temperature)):
         expected = torch.cat([flat_logprobs[offsets[index[id(t)]]:offsets[index[id(t)] + 1]]
                               for t in mb.batch.trajectories])
         torch.testing.assert_close(scored, expected.detach(), rtol=0, atol=1e-10)
@@ -116,12 +118,11 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
 
 def test_step_plan_covers_the_step_once():
     trajectories = step_trajectories()
-    plan = plan_step(trajectories, small_model(), 10_000)
-    assert sum(mb.batch.num_semantic for mb in plan.microbatches) == sum(len(t) for t in trajectories)
-    assert sum(mb.batch.num_compact for mb in plan.microbatches) < sum(len(t) for t in trajectories)
-    assert sum(inputs.token_share for inputs in plan.inputs) == pytest.approx(1.0)
-    assert sorted(id(t) for mb in plan.microbatches for t in mb.batch.trajectories) == sorted(map(id, trajectories))
-    assert all(plan.inputs_of(mb.batch) is inputs for mb, inputs in zip(plan.microbatches, plan.inputs))
+    mbs = plan_step(trajectories, small_model(), 10_000)
+    assert sum(mb.batch.num_semantic for mb in mbs) == sum(len(t) for t in trajectories)
+    assert sum(mb.batch.num_compact for mb in mbs) < sum(len(t) for t in trajectories)
+    assert sum(mb.loss.token_share for mb in mbs) == pytest.approx(1.0)
+    assert sorted(id(t) for mb in mbs for t in mb.batch.trajectories) == sorted(map(id, trajectories))
 
 
 def test_non_finite_loss_and_gradients_are_not_applied():
@@ -130,14 +131,15 @@ def test_non_finite_loss_and_gradients_are_not_applied():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trajectories = step_trajectories()
     trajectories[3].advantage[:] = np.nan
-    plan = plan_step(trajectories, model, 160)
-    bad = next(i for i, mb in enumerate(plan.microbatches) if trajectories[3] in mb.batch.trajectories)
-    result = train_step(model, plan.microbatches, rl_loss(PolicyLossConfig(), RouterLossConfig(), plan), entropy=True)
+    mbs = plan_step(trajectories, model, 160)
+    bad = next(i for i, mb in enumerate(mbs) if trajectories[3] in mb.batch.trajectories)
+    runner = PlainRunner(model)
+    result = runner.train_step(mbs, rl_loss(PolicyLossConfig(), RouterLossConfig()), entropy=True)
     assert result.non_finite == bad and not np.isfinite(result.loss)
 
     for p in model.parameters():
         p.grad = torch.full_like(p, float("inf"))
-    norm, stepped = optimizer_step(model, optimizer, grad_clip=1.0)
+    norm, stepped = optimizer_step(runner, optimizer, grad_clip=1.0)
     assert not stepped and not np.isfinite(norm)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state

@@ -6,7 +6,6 @@ only in summation order).
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -4,9 +4,10 @@
 an exception in any rank fails the test with that rank's traceback.
 
 `compare_step(...)`, run in every rank: build the same small model on every rank (same seed), compute the reference
-in-process on the plain model (the whole step packed as ONE batch, app.losses.token_normalizers over all positions),
-then parallelize a copy, plan the step's microbatches (planner.microbatch, capacity = compact rows per microbatch),
-run this replica's with `parallel.step.train_step`, and compare the summed loss
+in-process on the plain model (the whole step packed as ONE batch, tests.reference.reference_token_weights over all
+positions), then parallelize a copy, plan the step's microbatches (planner.microbatch, capacity = compact rows per
+microbatch), prepare this replica's (`parallel.replica.prepare_replica`), run them with
+`parallel.plain_runner.PlainRunner`, and compare the summed loss
 and every parameter gradient (gathered with DTensor.full_tensor) with the reference.
 """
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.losses import PolicyLossConfig, policy_loss, token_normalizers
+from app.losses import PolicyLossConfig, policy_loss
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
@@ -31,13 +32,14 @@ from models.presets import preset
 from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from parallel.config import ParallelConfig
-from parallel.grad_norm import clip_grad_norm_
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.step import replica_microbatches, step_normalizer, token_weights, train_step
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_replica
 from planner.calls import plan_calls
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
+from tests.reference import reference_token_weights
 
 #: Tolerances per dtype: relative error of the step loss; per parameter, the gradient error norm may reach
 #: rtol * |reference| + floor * |all reference gradients|. The floor matters in fp32 only: splitting the step into
@@ -115,8 +117,8 @@ def reference_step(model, trajectories, loss_config):
     chunk = model.config.linear_attention.chunk_size
     layout = TreeLayout.build(batch, plan_calls(batch, chunk), model.config.linear_attention.conv_size)
     lp, out = tree_logprobs(model, layout)
-    w = token_normalizers(torch.as_tensor(batch.loss_mask), torch.as_tensor(batch.traj_index),
-                          batch.num_trajectories, loss_config) * torch.as_tensor(batch.weight)
+    w = reference_token_weights(torch.as_tensor(batch.loss_mask), torch.as_tensor(batch.traj_index),
+                                batch.num_trajectories, loss_config.aggregation) * torch.as_tensor(batch.weight)
     terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
     loss = terms.loss + z_loss(out, batch.num_semantic)
     loss.backward()
@@ -140,17 +142,17 @@ def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
 
     parallelize_for_job(model, job)
     plan = plan_microbatches(trajectories, capacity, job.config.dp)
-    mine = replica_microbatches(plan, trajectories, job.dp_rank)
     dp_group = job.meshes.dp.get_group()
-    normalizer = step_normalizer(mine, dp_group)
+    mine = prepare_replica(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
+                           aggregation=aggregation, device=job.device)
     semantic_tokens = sum(len(t) for t in trajectories)
 
-    def loss_fn(lp, batch, output):
-        w = torch.as_tensor(token_weights(batch, normalizer, aggregation))
-        terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
+    def loss_fn(lp, mb, output):
+        terms = policy_loss(lp, lp.detach(), mb.loss.advantage, mb.loss.token_weight, loss_config)
         return terms.loss + z_loss(output, semantic_tokens), {"policy": terms.policy}
 
-    metrics = train_step(model, mine, loss_fn, dp_group=dp_group)
+    runner = PlainRunner(model, dp_group=dp_group)
+    metrics = runner.train_step(mine, loss_fn)
     step = reduce_step(metrics, dp_group)
     assert step["microbatches"] == len(plan.microbatches) and step["semantic_tokens"] == semantic_tokens
     for got, want in zip(global_expert_counts(metrics, dp_group), ref_counts):
@@ -172,7 +174,7 @@ def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
     assert worst <= 1.0, f"gradient of {worst_name} differs by {worst:.2f} x the tolerance {tol}"
     # Clipping to half the norm: the global norm over all meshes is the reference's, and every gradient (here the
     # routed experts', on the expert mesh under EP) scales by max_norm / (norm + 1e-6).
-    norm = clip_grad_norm_(model, 0.5 * total_norm).item()
+    norm = runner.clip_grad_norm_(0.5 * total_norm).item()
     assert abs(norm - total_norm) <= tol["grad_rtol"] * total_norm, (norm, total_norm)
     coef = 0.5 * total_norm / (norm + 1e-6)
     name, p = next((n, p) for n, p in model.named_parameters() if "experts" in n)

@@ -9,7 +9,8 @@ from models.decoder import HybridForCausalLM
 from parallel.checkpoint import TrainState, build_checkpointer, build_lr_schedulers, build_optimizers
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
-from parallel.step import replica_microbatches, train_step
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_replica
 from planner.microbatch import plan_microbatches
 from tests.parallel.harness import run_ranks, small_config, step_trajectories
 
@@ -48,8 +49,10 @@ def save_then_resume_resharded(folder):
     job, model, optimizers, schedulers, state, checkpointer = build({"ep": 2}, seed=0)
     assert not checkpointer.load()  # empty folder: a fresh start
     trajectories = step_trajectories(config, trees=1)
-    mine = replica_microbatches(plan_microbatches(trajectories, 192, job.config.dp), trajectories, job.dp_rank)
-    train_step(model, mine, lambda lp, batch, out: (lp.sum() * 1e-3, {}), dp_group=job.meshes.dp.get_group())
+    dp_group = job.meshes.dp.get_group()
+    mine = prepare_replica(trajectories, plan_microbatches(trajectories, 192, job.config.dp), dp_rank=job.dp_rank,
+                           dp_group=dp_group, model_config=config, aggregation="token-mean", device=job.device)
+    PlainRunner(model, dp_group=dp_group).train_step(mine, lambda lp, mb, out: (lp.sum() * 1e-3, {}))
     optimizers.step()
     schedulers.step()
     state.step = 1

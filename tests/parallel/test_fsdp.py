@@ -6,7 +6,8 @@ import pytest
 
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed
-from parallel.step import train_step
+from models.microbatch import prepare_microbatch
+from parallel.plain_runner import PlainRunner
 from tests.parallel.harness import compare_step, run_ranks, small_config, step_trajectories
 
 
@@ -19,9 +20,9 @@ def fsdp_then_unequal_counts():
 
     model = HybridForCausalLM(small_config("tiny-qwen3-next"))
     trajectories = step_trajectories(model.config, trees=1)
-    mine = [trajectories[:2], trajectories[2:4]][: 2 - job.dp_rank]
+    mine = [prepare_microbatch(g, model.config, job.device) for g in [trajectories[:2], trajectories[2:4]]]
     with pytest.raises(ValueError, match="every replica must run the same number"):
-        train_step(model, mine, lambda *a: None, dp_group=job.meshes.dp.get_group())
+        PlainRunner(model, dp_group=job.meshes.dp.get_group()).train_step(mine[: 2 - job.dp_rank], lambda *a: None)
 
 
 def test_fsdp_step_matches_single_process():

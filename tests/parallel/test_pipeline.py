@@ -1,9 +1,9 @@
 """Pipeline parallelism (parallel.pipeline, torch >= 2.14) on gloo CPU ranks: the pipelined step gives the
 single-process loss, every parameter gradient and the expert loads of the whole step packed as one batch, and the
 single-process log-probs (scored at a temperature) and entropies, with the planner's microbatches (of different
-compact row counts) and activation recomputation, through pipeline_train_step / pipeline_score and through
-parallel.step's train_step / score (which hand a PipelinedCausalLM to them); below torch 2.14, pp > 1 is refused
-with the reason."""
+compact row counts) and activation recomputation, through parallel.pipeline_runner.PipelineRunner (the reference
+scores come from parallel.plain_runner.PlainRunner on the unsplit model); below torch 2.14, pp > 1 is refused with
+the reason."""
 
 import pytest
 import torch
@@ -15,9 +15,10 @@ from models.presets import preset
 from parallel.config import ParallelConfig, pipeline_support
 from parallel.launch import init_distributed
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.pipeline import (pipeline_clip_grad_norm_, pipeline_for_job, pipeline_score, pipeline_train_step,
-                               stage_layers)
-from parallel.step import pack_microbatch, replica_microbatches, score, step_normalizer, token_weights, train_step
+from parallel.pipeline import pipeline_for_job, stage_layers
+from parallel.pipeline_runner import PipelineRunner
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_replica
 from planner.microbatch import plan_microbatches
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
 
@@ -36,9 +37,10 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
     loss_config = PolicyLossConfig()
     trajectories = step_trajectories(config, trees)
     plan = plan_microbatches(trajectories, capacity, job.config.dp)
-    groups = replica_microbatches(plan, trajectories, job.dp_rank)
-    mbs = [pack_microbatch(g, config, job.device) for g in groups]
-    ref_scores = score(model, mbs, temperature=0.7)
+    dp_group = job.meshes.dp.get_group()
+    mbs = prepare_replica(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
+                          aggregation=loss_config.aggregation, device=job.device)
+    ref_scores = PlainRunner(model).score(mbs, temperature=0.7)
     with torch.no_grad():
         ref_entropy = [model(mb.layout, entropy=True).entropy for mb in mbs]
     reference = HybridForCausalLM(config)
@@ -47,32 +49,29 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
 
     pipelined = pipeline_for_job(model, job)
     del model
-    dp_group = job.meshes.dp.get_group()
-    normalizer = step_normalizer(groups, dp_group)
+    runner = PipelineRunner(pipelined, dp_group=dp_group)
     S = sum(len(t) for t in trajectories)
-    batches = [id(mb.batch) for mb in mbs]
 
-    def loss_fn(lp, batch, output):
-        assert id(batch) in batches, "the loss must get the microbatch's own packed batch"
-        want = ref_entropy[batches.index(id(batch))]
+    def loss_fn(lp, mb, output):
+        assert any(mb is m for m in mbs), "the loss must get the microbatch itself"
+        want = ref_entropy[next(i for i, m in enumerate(mbs) if m is mb)]
         assert (output.entropy - want).abs().max() <= tol["loss"] * want.abs().max(), "entropies"
-        w = torch.as_tensor(token_weights(batch, normalizer, loss_config.aggregation))
-        terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
+        terms = policy_loss(lp, lp.detach(), mb.loss.advantage, mb.loss.token_weight, loss_config)
         return terms.loss + z_loss(output, S), {"policy": terms.policy}
 
     rows = {mb.batch.num_compact for mb in mbs}
     assert len(mbs) >= 2 and len(rows) > 1, f"want microbatches of different row counts, got {len(mbs)}: {rows}"
-    for score_fn in (pipeline_score, score):
-        scores = score_fn(pipelined, mbs, dp_group=dp_group, temperature=0.7)
-        for got, want in zip(scores, ref_scores, strict=True):
-            assert (got - want).abs().max() <= tol["loss"] * want.abs().max(), f"scored log-probs ({score_fn})"
+    scores = runner.score(mbs, temperature=0.7)
+    for got, want in zip(scores, ref_scores, strict=True):
+        assert (got - want).abs().max() <= tol["loss"] * want.abs().max(), "scored log-probs"
+    assert sorted(runner.decoder_layers()) == [i for s in pipelined.stage_indices for i in pipelined.stage_layers[s]]
     total_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
     worst = 0.0
-    # a second step (new schedule, gradients zeroed as by the optimizer; through parallel.step) gives the same again
-    for step_fn in (pipeline_train_step, train_step):
+    # a second step (new schedule, gradients zeroed as by the optimizer) gives the same again
+    for _ in range(2):
         for p in pipelined.parameters():
             p.grad = None
-        metrics = step_fn(pipelined, mbs, loss_fn, dp_group=dp_group, entropy=True)
+        metrics = runner.train_step(mbs, loss_fn, entropy=True)
         step = reduce_step(metrics, dp_group)
         assert step["microbatches"] == len(plan.microbatches) and step["semantic_tokens"] == S
         assert metrics.non_finite is None and metrics.extras.keys() == {"policy"}
@@ -89,14 +88,14 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
     names = [None] * pipelined.parallel.pp
     dist.all_gather_object(names, [n for n, _ in pipelined.named_parameters()], group=pipelined.pp_group)
     assert sorted(n for part in names for n in part) == sorted(ref_grads), "stages must hold every parameter once"
-    norm = pipeline_clip_grad_norm_(pipelined, 0.5 * total_norm).item()
+    norm = runner.clip_grad_norm_(0.5 * total_norm).item()
     assert abs(norm - total_norm) <= tol["grad_rtol"] * total_norm, (norm, total_norm)
     if dist.get_rank() == 0:
         print(f"{preset_name} {dtype} {parallel}: loss rel err {loss_err:.1e}, worst gradient at {worst:.1e} of its "
               f"tolerance, rows per microbatch {sorted(rows)}")
     if parallel.get("pp_schedule", "1F1B") == "1F1B":
         with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
-            pipeline_train_step(pipelined, mbs[:1], loss_fn, dp_group=dp_group)
+            PipelineRunner(pipelined).train_step(mbs[:1], loss_fn)
 
 
 @needs_pp

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.config import GDNConfig, KDAConfig
+from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.logprobs import naive_compact_logprobs
 from models.moe import load_balancing_loss, router_z_loss

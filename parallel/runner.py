@@ -1,0 +1,127 @@
+"""The step runner contract: how the trainer runs one optimizer step's microbatches on this rank, whatever the model's
+wrapping. `parallel.plain_runner.PlainRunner` (one process, or TP/EP/FSDP2 ranks) and
+`parallel.pipeline_runner.PipelineRunner` (this rank's pipeline stages) implement it; the trainer builds the one
+its launch needs once and calls nothing else (the way vLLM's engine drives any `WorkerBase`).
+
+Legend: S semantic positions of a microbatch, E experts.
+
+Per step, in the planner's slot order (the same number of microbatches on every replica, so the collectives of
+FSDP2 / EP line up): tree log-probs of softmax(logits / temperature) -> loss -> backward, gradients accumulating
+in the parameters (the caller zeroes them before and steps the optimizer after). `score` runs the forward without
+a graph (old or reference log-probs). Microbatches come prepared (`models.microbatch.prepare_microbatch`, per
+replica `parallel.replica.prepare_replica`), each with its own loss inputs.
+
+Loss scaling: the loss of a microbatch is already divided by normalisers of the WHOLE step
+(`models.microbatch.token_weights`). The step loss is then the sum of the microbatch losses over replicas,
+FSDP2 sums gradients (no averaging, `parallel.fsdp`), and the gradient equals the single-process gradient of the
+whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.decoder import DecoderLayer, TreeLMOutput
+from models.microbatch import Microbatch
+
+__all__ = ["MicrobatchLoss", "StepMetrics", "StepRunner", "check_microbatches", "step_metrics"]
+
+
+class MicrobatchLoss(Protocol):
+    def __call__(
+        self, logprobs_S: torch.Tensor, mb: Microbatch, output: TreeLMOutput
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one microbatch (already divided by the step's global normalisers) and detached metrics to sum
+        over microbatches. `mb.loss` holds its loss inputs, `mb.batch` the per-position metadata in original order;
+        `output.moe_stats` the multiplicity-weighted router statistics per layer, `output.entropy` the `[S]`
+        entropies of the sampling distribution when `train_step(entropy=True)`."""
+
+
+@dataclass
+class StepMetrics:
+    """This rank's sums over its microbatches (sum over replicas for the step: `parallel.metrics.reduce_step`)."""
+
+    loss: float
+    microbatches: int
+    compact_rows: int
+    semantic_tokens: int
+    linear_attention_calls: int
+    """Packed linear-attention kernel calls per layer, summed over microbatches
+    (`Microbatch.linear_attention_calls`)."""
+    extras: dict[str, float] = field(default_factory=dict)
+    """The loss function's metrics, summed."""
+    expert_counts: list[torch.Tensor | None] = field(default_factory=list)
+    """Per layer: multiplicity-weighted expert assignment counts `[E]` (None for dense layers), the load that
+    expert-bias updates use."""
+    non_finite: int | None = None
+    """Index (slot order) of this rank's first microbatch whose loss was NaN or inf, else None. The gradients are
+    then unusable: the caller skips the optimizer step (the summed step loss is non-finite on every rank)."""
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    """Host time spent in forward (with the loss) and backward on this rank."""
+
+
+class StepRunner(Protocol):
+    """Runs this rank's microbatches of a step on its part of the model."""
+
+    model: nn.Module
+    """The module whose parameters this rank trains (optimizer, checkpoints): the plain or parallelized model, or
+    this rank's pipeline stages under the whole model's parameter names."""
+
+    def train_step(self, microbatches: Sequence[Microbatch], loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
+                   entropy: bool = False) -> StepMetrics:
+        """Forward and backward of this replica's microbatches in slot order. Every microbatch runs even after a
+        non-finite loss (all ranks issue the same collectives); `StepMetrics.non_finite` names the first one."""
+
+    def score(self, microbatches: Sequence[Microbatch], *, temperature: float = 1.0) -> list[torch.Tensor]:
+        """`[S]` float64 log-probs of softmax(logits / temperature) of every microbatch, without a graph."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients of the whole model (every mesh, every stage) to a global norm of at most
+        `max_norm`; returns the norm before clipping, equal on every rank."""
+
+    def decoder_layers(self) -> dict[int, DecoderLayer]:
+        """This rank's decoder layers by their index in the whole model (expert-bias updates)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict gathered from every rank's shards and stages onto rank 0, on the CPU (empty
+        on the other ranks; a collective: every rank calls it). For the rollout engine and the HF export."""
+
+
+def check_microbatches(microbatches: Sequence[Microbatch], dp_group: dist.ProcessGroup | None,
+                       device: torch.device) -> None:
+    """Every replica runs the same, non-zero number of microbatches (their collectives must line up)."""
+    if not microbatches:
+        raise ValueError("`microbatches` is empty: every DP replica needs at least one microbatch per step")
+    if dp_group is None:
+        return
+    n = len(microbatches)
+    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+    if int(t[0]) != -int(t[1]):
+        raise ValueError(
+            f"DP replicas got between {-int(t[1])} and {int(t[0])} microbatches (this rank {n}): every replica must "
+            "run the same number (plan with the DP degree, planner K mod D = 0)"
+        )
+
+
+def step_metrics(microbatches: Sequence[Microbatch], losses_K: torch.Tensor, extras: dict[str, float],
+                 expert_counts: list[torch.Tensor | None], forward_seconds: float,
+                 backward_seconds: float) -> StepMetrics:
+    """StepMetrics of this replica's microbatches (slot order) from their losses `[K]` (float64)."""
+    finite_K = torch.isfinite(losses_K).cpu()
+    return StepMetrics(
+        loss=float(losses_K.sum()), microbatches=len(microbatches),
+        compact_rows=sum(mb.batch.num_compact for mb in microbatches),
+        semantic_tokens=sum(mb.batch.num_semantic for mb in microbatches),
+        linear_attention_calls=sum(mb.linear_attention_calls for mb in microbatches),
+        extras=extras, expert_counts=expert_counts,
+        non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
+        forward_seconds=forward_seconds, backward_seconds=backward_seconds,
+    )
