@@ -3,11 +3,12 @@
 Legend: N trajectories, S semantic positions (all tokens of all trajectories, original order), C compact rows,
 G segments (maximal fork-free token paths of the trie).
 
-The trie is built from the lexicographic order of the trajectories. In that order the longest prefix a trajectory
-shares with *any* earlier one is the one it shares with its immediate predecessor (adjacent LCP), so trajectory j
-contributes exactly its tokens [LCP_j, L_j) as new rows, and the concatenation of these contributions is a depth-first
-preorder of the trie. In preorder every segment is a contiguous row range and every subtree is a contiguous range
-[row, subtree_end[row]). All work is per trajectory or vectorised over rows: no Python loop per token.
+The trie is built from the lexicographic order of the trajectories by token id (planner.lcp_index.lexicographic_lcp).
+In that order the longest prefix a trajectory shares with *any* earlier one is the one it shares with its immediate
+predecessor (adjacent LCP), so trajectory j contributes exactly its tokens [LCP_j, L_j) as new rows, and the
+concatenation of these contributions is a depth-first preorder of the trie. In preorder every segment is a contiguous
+row range and every subtree is a contiguous range [row, subtree_end[row]). All work is per trajectory or vectorised
+over rows: no Python loop per token.
 """
 
 from __future__ import annotations
@@ -17,32 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
+from planner.lcp_index import lexicographic_lcp
 from planner.trajectory import Trajectory
 
-__all__ = ["CompactBatch", "pack", "lexicographic_order", "adjacent_lcp"]
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    if n == 0:
-        return 0
-    neq = a[:n] != b[:n]
-    first = int(neq.argmax())
-    return first if neq[first] else n
-
-
-def lexicographic_order(token_lists: Sequence[np.ndarray]) -> np.ndarray:
-    """Stable lexicographic order of token sequences (a proper prefix sorts before its extensions). [N] int64."""
-    keys = [np.asarray(t, dtype=">u4").tobytes() for t in token_lists]
-    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
-
-
-def adjacent_lcp(token_lists: Sequence[np.ndarray], order: np.ndarray) -> np.ndarray:
-    """lcp[j] = LCP(x_{order[j-1]}, x_{order[j]}) for j >= 1, and lcp[0] = 0. [N] int64."""
-    lcp = np.zeros(len(order), dtype=np.int64)
-    for j in range(1, len(order)):
-        lcp[j] = _lcp(token_lists[order[j - 1]], token_lists[order[j]])
-    return lcp
+__all__ = ["CompactBatch", "pack"]
 
 
 @dataclass(eq=False)
@@ -149,8 +128,7 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     np.cumsum(lengths, out=traj_offsets[1:])
     S = int(traj_offsets[-1])
 
-    order = lexicographic_order(toks)
-    lcp = adjacent_lcp(toks, order)
+    order, lcp = lexicographic_lcp(toks, byteorder=">")
     new = lengths[order] - lcp  # rows contributed by each trajectory in sorted order
     base = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(new, out=base[1:])
