@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = ["Trajectory", "MAX_TOKEN_ID"]
 
-#: Token ids are stored as uint32 internally (lexicographic sorting uses their big-endian bytes).
+#: Token ids fit uint32: lexicographic sorting uses the bytes of their uint32 ids (planner.lcp_index).
 MAX_TOKEN_ID = 2**32 - 1
 
 
