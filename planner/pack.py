@@ -39,7 +39,7 @@ class CompactBatch:
         seg_offsets [G+1]: segment g owns rows [seg_offsets[g], seg_offsets[g+1]).
         seg_parent: parent segment, -1 for a root segment.
         seg_start, seg_end: position interval [start, end) of the segment; for a child, seg_start is its fork position.
-        seg_depth: number of parent-child segment edges above the segment (state-handoff depth).
+        (Derived segment structure, e.g. depth and children: planner.segment_tree.SegmentTree.from_batch.)
     Semantic positions ([S], original trajectory order, trajectory i at [traj_offsets[i], traj_offsets[i+1])):
         sem_to_compact: the map m, row of each semantic position.
         logit_row: row whose logits predict this position's token (m of the previous position), -1 for a first token.
@@ -57,7 +57,6 @@ class CompactBatch:
     seg_parent: np.ndarray
     seg_start: np.ndarray
     seg_end: np.ndarray
-    seg_depth: np.ndarray
     traj_offsets: np.ndarray
     sem_to_compact: np.ndarray
     logit_row: np.ndarray
@@ -167,20 +166,13 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     seg_start = positions[starts]
     seg_end = positions[seg_offsets[1:] - 1] + 1
 
-    # Preorder: a parent segment precedes its children, so depth is one forward pass and subtree ends one backward.
-    seg_depth = np.zeros(G, dtype=np.int64)
-    seg_sub_end = seg_offsets[1:].copy()
+    # Preorder: a parent segment precedes its children, so subtree ends are one backward pass.
     par = seg_parent.tolist()
-    depth = seg_depth.tolist()
-    for g in range(G):
-        if par[g] >= 0:
-            depth[g] = depth[par[g]] + 1
-    sub_end = seg_sub_end.tolist()
+    sub_end = seg_offsets[1:].tolist()
     for g in range(G - 1, -1, -1):
         p = par[g]
         if p >= 0 and sub_end[g] > sub_end[p]:
             sub_end[p] = sub_end[g]
-    seg_depth = np.asarray(depth, dtype=np.int64)
     subtree_end = np.asarray(sub_end, dtype=np.int64)[segment]
 
     logit_row = np.empty(S, dtype=np.int64)
@@ -207,7 +199,6 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
         seg_parent=seg_parent.astype(np.int64),
         seg_start=seg_start.astype(np.int64),
         seg_end=seg_end.astype(np.int64),
-        seg_depth=seg_depth,
         traj_offsets=traj_offsets,
         sem_to_compact=m,
         logit_row=logit_row,
