@@ -19,6 +19,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from planner.index_arrays import inverse_permutation, offsets
 from planner.trajectory import Trajectory
 
 __all__ = ["LcpIndex", "lexicographic_lcp"]
@@ -77,12 +78,10 @@ class LcpIndex:
     def __init__(self, order: np.ndarray, lengths_by_index: np.ndarray, lcp: np.ndarray):
         self.order = np.asarray(order, dtype=np.int64)
         n = self.order.size
-        self.rank = np.empty(n, dtype=np.int64)
-        self.rank[self.order] = np.arange(n, dtype=np.int64)
+        self.rank = inverse_permutation(self.order)
         self.lengths = np.asarray(lengths_by_index, dtype=np.int64)[self.order]
         self.lcp = np.asarray(lcp, dtype=np.int64)
-        self.prefix = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(self.lengths - self.lcp, out=self.prefix[1:])
+        self.prefix = offsets(self.lengths - self.lcp)
         self.total_work = int(self.prefix[-1])
         self._floors = None
         # table[j, i] = min(lcp[i : i + 2**j]) where i + 2**j <= N (the rest is never read).

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from planner.index_arrays import offsets
 from planner.lcp_index import lexicographic_lcp
 from planner.trajectory import Trajectory
 
@@ -123,14 +124,12 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     toks = [t.tokens for t in trajectories]
     n = len(toks)
     lengths = np.fromiter((x.size for x in toks), dtype=np.int64, count=n)
-    traj_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=traj_offsets[1:])
+    traj_offsets = offsets(lengths)
     S = int(traj_offsets[-1])
 
     order, lcp = lexicographic_lcp(toks, byteorder=">")
     new = lengths[order] - lcp  # rows contributed by each trajectory in sorted order
-    base = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(new, out=base[1:])
+    base = offsets(new)
     C = int(base[-1])
 
     # The map m, written trajectory by trajectory in sorted order: shared prefix copied from the predecessor.
