@@ -42,13 +42,13 @@ from planner.microbatch_refine import Grouping, eliminate_small, refine_boundari
 from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
 from planner.trajectory import Trajectory
 
-__all__ = ["Microbatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
+__all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
            "plan_from_groups", "check_inputs"]
 
 
 @dataclass(frozen=True)
-class Microbatch:
-    """One microbatch: input indices of its trajectories (ascending), where it runs, and its compact work."""
+class PlannedMicrobatch:
+    """One microbatch of a plan: input indices of its trajectories (ascending), where it runs, its compact work."""
 
     trajectories: tuple[int, ...]
     replica: int
@@ -60,7 +60,7 @@ class Microbatch:
 class MicrobatchPlan:
     """K microbatches ordered by (slot, replica); `method` names the candidate that won."""
 
-    microbatches: tuple[Microbatch, ...]
+    microbatches: tuple[PlannedMicrobatch, ...]
     dp: int
     capacity: int
     planning_seconds: float
@@ -165,7 +165,7 @@ def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) 
 def plan_from_groups(groups: list[np.ndarray], work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int,
                      capacity: int, seconds: float, method: str) -> MicrobatchPlan:
     """Build a MicrobatchPlan from input-index groups and their assignment."""
-    mbs = [Microbatch(tuple(sorted(int(i) for i in g)), int(r), int(s), int(w))
+    mbs = [PlannedMicrobatch(tuple(sorted(int(i) for i in g)), int(r), int(s), int(w))
            for g, w, r, s in zip(groups, work, replica, slot)]
     mbs.sort(key=lambda mb: (mb.slot, mb.replica))
     return MicrobatchPlan(tuple(mbs), dp, capacity, seconds, method)
