@@ -1,4 +1,5 @@
-"""Index-array primitives of the planner: the offsets of consecutive ranges and the inverse of a permutation.
+"""Index-array primitives of the planner: the offsets of consecutive ranges, the inverse of a permutation and the
+floor(log2) that picks a sparse-table level.
 
 Legend: N ranges or positions.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["offsets", "inverse_permutation"]
+__all__ = ["offsets", "inverse_permutation", "floor_log2"]
 
 
 def offsets(lengths) -> np.ndarray:
@@ -22,3 +23,8 @@ def inverse_permutation(perm: np.ndarray) -> np.ndarray:
     inv = np.empty(perm.size, dtype=np.int64)
     inv[perm] = np.arange(perm.size)
     return inv
+
+
+def floor_log2(x: np.ndarray) -> np.ndarray:
+    """floor(log2(x)) [int64] for int arrays x >= 1 (exact for x < 2**53)."""
+    return (np.frexp(x.astype(np.float64))[1] - 1).astype(np.int64)

@@ -19,7 +19,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from planner.index_arrays import inverse_permutation, offsets
+from planner.index_arrays import floor_log2, inverse_permutation, offsets
 from planner.trajectory import Trajectory
 
 __all__ = ["LcpIndex", "lexicographic_lcp"]
@@ -56,11 +56,6 @@ def lexicographic_lcp(
     for j in range(1, len(order)):
         lcp[j] = _first_mismatch(views[order[j - 1]], views[order[j]])
     return np.asarray(order, dtype=np.int64), lcp
-
-
-def _log2(x: np.ndarray) -> np.ndarray:
-    """floor(log2(x)) for int arrays x >= 1."""
-    return (np.frexp(x.astype(np.float64))[1] - 1).astype(np.int64)
 
 
 class LcpIndex:
@@ -139,7 +134,7 @@ class LcpIndex:
             return int(min(self._table[j, int(lo)], self._table[j, int(hi) - (1 << j) + 1]))
         lo = np.asarray(lo, dtype=np.int64)
         hi = np.asarray(hi, dtype=np.int64)
-        j = _log2(hi - lo + 1)
+        j = floor_log2(hi - lo + 1)
         return np.minimum(self._table[j, lo], self._table[j, hi - (1 << j) + 1])
 
     def pair_lcp(self, a, b):
