@@ -40,7 +40,7 @@ from planner.microbatch_balance import balance_atoms
 from planner.microbatch_greedy import trie_greedy
 from planner.microbatch_refine import Grouping, eliminate_small, refine_boundaries, sparse_repair
 from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
-from planner.trajectory import Trajectory
+from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
            "plan_from_groups", "check_inputs"]
@@ -110,9 +110,7 @@ def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> 
             raise ValueError(f"`{name}` must be >= 1, got {value}")
     if len(trajectories) == 0:
         raise ValueError("no trajectories to plan: the input is empty")
-    for i, t in enumerate(trajectories):
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"trajectories[{i}] must be a planner.Trajectory, got {type(t).__name__}")
+    check_trajectories(trajectories)
     lengths = np.fromiter((len(t) for t in trajectories), dtype=np.int64, count=len(trajectories))
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:

@@ -20,7 +20,7 @@ import numpy as np
 
 from planner.index_arrays import offsets
 from planner.lcp_index import lexicographic_lcp
-from planner.trajectory import Trajectory
+from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["CompactBatch", "pack"]
 
@@ -118,9 +118,7 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     """
     if len(trajectories) == 0:
         raise ValueError("pack() needs at least one trajectory, got an empty list")
-    for i, t in enumerate(trajectories):
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"trajectories[{i}] must be a planner.Trajectory, got {type(t).__name__}")
+    check_trajectories(trajectories)
     toks = [t.tokens for t in trajectories]
     n = len(toks)
     lengths = np.fromiter((x.size for x in toks), dtype=np.int64, count=n)
