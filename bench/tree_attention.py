@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     for mb in plan.microbatches[: args.max_microbatches]:
         batch = pack([trajs[i] for i in mb.trajectories])
         calls = plan_calls(batch, 64)
-        layout = build_attention_layout(batch, calls.physical_to_compact, calls.seq_row_offsets, dev)
+        layout = build_attention_layout(batch, calls.physical_to_compact, calls.compact_to_physical,
+                                        calls.seq_row_offsets, dev)
         C, H = batch.num_compact, args.heads
         gen = torch.Generator(device=dev).manual_seed(0)
         q, k = (torch.randn(C, H, args.qk_dim, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2))

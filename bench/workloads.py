@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.index_arrays import offsets
 from planner.jsonl import write_jsonl
 from planner.trajectory import Trajectory
 
@@ -169,8 +170,7 @@ class _Forest:
         """Draw the tokens (one random array sliced per branch) and concatenate every leaf's path."""
         n = len(self.parent)
         length = np.asarray(self.length, dtype=np.int64)
-        starts = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(length, out=starts[1:])
+        starts = offsets(length)
         pool = self.rng.integers(0, vocab_size, size=int(starts[-1]), dtype=np.int64)
         # Siblings (same parent and offset) and the parent's own continuation must start with distinct tokens.
         taken: dict[tuple[int, int], set[int]] = {}

@@ -122,20 +122,26 @@ def _fragments(index: LcpIndex, ranks: np.ndarray, capacity: int) -> list[np.nda
     return out
 
 
+def _first_fit_decreasing(sizes: list[int], capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Items largest first (stable), each into the first bin it fits in. Returns the bins (item indices in placement
+    order) and their loads."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        b = next((b for b, load in enumerate(loads) if load + sizes[i] <= capacity), None)
+        if b is None:
+            bins.append([i])
+            loads.append(sizes[i])
+        else:
+            bins[b].append(i)
+            loads[b] += sizes[i]
+    return bins, loads
+
+
 def _bin_pack(sizes: list[int], capacity: int, time_limit: float) -> tuple[list[list[int]], bool]:
     """Fewest bins of `capacity` for items of `sizes` with CP-SAT (first-fit decreasing as hint and upper bound).
     Returns the bins (item indices) and whether CP-SAT proved them optimal within `time_limit` seconds."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    ffd: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        b = next((b for b, load in enumerate(loads) if load + sizes[i] <= capacity), None)
-        if b is None:
-            ffd.append([i])
-            loads.append(sizes[i])
-        else:
-            ffd[b].append(i)
-            loads[b] += sizes[i]
+    ffd, _ = _first_fit_decreasing(sizes, capacity)
     n_bins = len(ffd)
     model = cp_model.CpModel()
     x = {(i, b): model.NewBoolVar(f"x{i}_{b}") for i in range(len(sizes)) for b in range(n_bins)}
@@ -280,16 +286,7 @@ def trajectory_wise_plan(trajectories: Sequence[Trajectory], capacity: int, dp: 
     multiple of D by splitting off the shortest trajectory of the fullest splittable bin; HARTS's slot assignment."""
     start = time.perf_counter()
     lengths = check_inputs(trajectories, capacity, dp)
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(lengths.size), key=lambda i: -lengths[i]):
-        b = next((b for b, load in enumerate(loads) if load + lengths[i] <= capacity), None)
-        if b is None:
-            bins.append([i])
-            loads.append(int(lengths[i]))
-        else:
-            bins[b].append(i)
-            loads[b] += int(lengths[i])
+    bins, loads = _first_fit_decreasing(lengths.tolist(), capacity)
     while len(bins) % dp:
         splittable = [b for b in range(len(bins)) if len(bins[b]) >= 2]
         if not splittable:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.index_arrays import inverse_permutation, offsets
 from planner.pack import CompactBatch
 from planner.schedule import CallSchedule, min_call_schedule, no_replay_schedule
 from planner.segment_tree import SegmentTree
@@ -103,12 +104,6 @@ class ExecutionPlan:
         return int(self.state_offsets[-1])
 
 
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
 def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None = None) -> ExecutionPlan:
     """Lay out a schedule over compact rows.
 
@@ -131,18 +126,17 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
     # Physical order: segments in schedule order, each segment's rows in position order.
     segs = schedule.seq_segments
     lens = seg_len[segs]
-    physical_to_compact = np.repeat(seg_offsets[segs] - _offsets(lens)[:-1], lens) + np.arange(C)
-    compact_to_physical = np.empty(C, dtype=np.int64)
-    compact_to_physical[physical_to_compact] = np.arange(C)
+    physical_to_compact = np.repeat(seg_offsets[segs] - offsets(lens)[:-1], lens) + np.arange(C)
+    compact_to_physical = inverse_permutation(physical_to_compact)
     own = np.add.reduceat(lens, schedule.seq_segment_offsets[:-1])  # [N]
-    seq_row_offsets = _offsets(own)
+    seq_row_offsets = offsets(own)
 
     # Replay rows: the `rep` path ancestors of each sequence's first own row, in position order.
     row_parent = np.arange(C, dtype=np.int64) - 1
     first_rows = seg_offsets[:-1]
     row_parent[first_rows] = np.where(tree.parent >= 0, seg_offsets[tree.parent + 1] - 1, -1)
     rep = schedule.seq_replay
-    rep_offsets = _offsets(rep)
+    rep_offsets = offsets(rep)
     replay_rows = np.empty(int(rep_offsets[-1]), dtype=np.int64)
     cur = row_parent[seg_offsets[segs[schedule.seq_segment_offsets[:-1]]]]
     for k in range(1, int(rep.max(initial=0)) + 1):
@@ -151,7 +145,7 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
         cur = np.where(active, row_parent[np.maximum(cur, 0)], cur)
 
     # Core input: per sequence [replay rows, own rows], all sequences of all rounds back to back.
-    block_offsets = _offsets(rep + own)
+    block_offsets = offsets(rep + own)
     gather = np.empty(C + replay_rows.size, dtype=np.int64)
     is_output = np.ones(gather.size, dtype=bool)
     gather[np.arange(C) + np.repeat(block_offsets[:-1] + rep - seq_row_offsets[:-1], own)] = np.arange(C)

@@ -7,20 +7,22 @@ For trajectories x_0 <= ... <= x_{N-1} in lexicographic order, lcp[r] = LCP(x_{r
   * the compact work (unique trie tokens, HARTS eq. 5) of the interval x_a .. x_b is
     |x_a| + sum_{a<i<=b} (|x_i| - lcp[i]) = P[b+1] - P[a] + lcp[a] with P the prefix sum of |x_i| - lcp[i];
   * the work of any set of ranks r_1 < ... < r_k is |x_{r_1}| + sum_i (|x_{r_i}| - LCP(x_{r_{i-1}}, x_{r_i})).
-Any order in which every trie subtree is contiguous has these properties; we sort by the native-endian bytes of the
-uint32 token ids (a fixed permutation of the token alphabet), which is ~5x faster than big-endian keys and is still a
-depth-first order of the trie (a proper prefix sorts before its extensions). No token-level trie is built.
+Any order in which every trie subtree is contiguous has these properties; the index sorts by the native-endian bytes
+of the uint32 token ids (a fixed permutation of the token alphabet), which is still a depth-first order of the trie (a
+proper prefix sorts before its extensions). No token-level trie is built. `lexicographic_lcp` computes the order and
+the adjacent LCPs for the index and for `planner.pack`, which sorts by the big-endian bytes (by token id) instead.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
+from planner.index_arrays import floor_log2, inverse_permutation, offsets
 from planner.trajectory import Trajectory
 
-__all__ = ["LcpIndex"]
+__all__ = ["LcpIndex", "lexicographic_lcp"]
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -36,9 +38,24 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
-def _log2(x: np.ndarray) -> np.ndarray:
-    """floor(log2(x)) for int arrays x >= 1."""
-    return (np.frexp(x.astype(np.float64))[1] - 1).astype(np.int64)
+def lexicographic_lcp(
+    token_lists: Sequence[np.ndarray], *, byteorder: Literal[">", "="]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stable lexicographic order of token sequences by the bytes of their uint32 ids, and the adjacent LCPs.
+
+    byteorder ">" (big-endian) sorts by token id, "=" (native-endian) by a fixed permutation of the token alphabet with
+    cheaper keys. Both are depth-first orders of the trie but order siblings differently, so they give different trie
+    layouts and different contiguous partitions.
+    Returns order [N] int64 (the sequence at each rank; equal sequences keep their input order) and lcp [N] int64,
+    lcp[j] = LCP(order[j-1], order[j]) and lcp[0] = 0. O(total tokens) besides the sort.
+    """
+    keys = [np.asarray(t).astype(f"{byteorder}u4").tobytes() for t in token_lists]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    views = [np.frombuffer(k, dtype=np.uint32) for k in keys]  # no copy; equal words are equal tokens in either order
+    lcp = np.zeros(len(order), dtype=np.int64)
+    for j in range(1, len(order)):
+        lcp[j] = _first_mismatch(views[order[j - 1]], views[order[j]])
+    return np.asarray(order, dtype=np.int64), lcp
 
 
 class LcpIndex:
@@ -56,12 +73,10 @@ class LcpIndex:
     def __init__(self, order: np.ndarray, lengths_by_index: np.ndarray, lcp: np.ndarray):
         self.order = np.asarray(order, dtype=np.int64)
         n = self.order.size
-        self.rank = np.empty(n, dtype=np.int64)
-        self.rank[self.order] = np.arange(n, dtype=np.int64)
+        self.rank = inverse_permutation(self.order)
         self.lengths = np.asarray(lengths_by_index, dtype=np.int64)[self.order]
         self.lcp = np.asarray(lcp, dtype=np.int64)
-        self.prefix = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(self.lengths - self.lcp, out=self.prefix[1:])
+        self.prefix = offsets(self.lengths - self.lcp)
         self.total_work = int(self.prefix[-1])
         self._floors = None
         # table[j, i] = min(lcp[i : i + 2**j]) where i + 2**j <= N (the rest is never read).
@@ -77,15 +92,10 @@ class LcpIndex:
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[Trajectory] | Sequence[np.ndarray]) -> "LcpIndex":
         """Sort token sequences (Trajectory objects or 1-D int arrays) and compute adjacent LCPs. O(total tokens)."""
-        keys = [(t.tokens if isinstance(t, Trajectory) else np.asarray(t)).astype(np.uint32).tobytes()
-                for t in trajectories]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        views = [np.frombuffer(k, dtype=np.uint32) for k in keys]  # no copy; half the bytes of int64 tokens
-        lcp = np.zeros(len(order), dtype=np.int64)
-        for j in range(1, len(order)):
-            lcp[j] = _first_mismatch(views[order[j - 1]], views[order[j]])
-        lengths = np.fromiter((v.size for v in views), dtype=np.int64, count=len(views))
-        return cls(np.asarray(order, dtype=np.int64), lengths, lcp)
+        tokens = [t.tokens if isinstance(t, Trajectory) else np.asarray(t) for t in trajectories]
+        order, lcp = lexicographic_lcp(tokens, byteorder="=")
+        lengths = np.fromiter((t.size for t in tokens), dtype=np.int64, count=len(tokens))
+        return cls(order, lengths, lcp)
 
     def floor_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where LCP with rank r stops changing, for every r ([N] int64 each, cached): LCP(j, r) = floor_left[r]
@@ -124,7 +134,7 @@ class LcpIndex:
             return int(min(self._table[j, int(lo)], self._table[j, int(hi) - (1 << j) + 1]))
         lo = np.asarray(lo, dtype=np.int64)
         hi = np.asarray(hi, dtype=np.int64)
-        j = _log2(hi - lo + 1)
+        j = floor_log2(hi - lo + 1)
         return np.minimum(self._table[j, lo], self._table[j, hi - (1 << j) + 1])
 
     def pair_lcp(self, a, b):

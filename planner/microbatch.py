@@ -40,15 +40,15 @@ from planner.microbatch_balance import balance_atoms
 from planner.microbatch_greedy import trie_greedy
 from planner.microbatch_refine import Grouping, eliminate_small, refine_boundaries, sparse_repair
 from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
-from planner.trajectory import Trajectory
+from planner.trajectory import Trajectory, check_trajectories
 
-__all__ = ["Microbatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "objective", "plan_from_groups",
-           "check_inputs"]
+__all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
+           "plan_from_groups", "check_inputs"]
 
 
 @dataclass(frozen=True)
-class Microbatch:
-    """One microbatch: input indices of its trajectories (ascending), where it runs, and its compact work."""
+class PlannedMicrobatch:
+    """One microbatch of a plan: input indices of its trajectories (ascending), where it runs, its compact work."""
 
     trajectories: tuple[int, ...]
     replica: int
@@ -60,7 +60,7 @@ class Microbatch:
 class MicrobatchPlan:
     """K microbatches ordered by (slot, replica); `method` names the candidate that won."""
 
-    microbatches: tuple[Microbatch, ...]
+    microbatches: tuple[PlannedMicrobatch, ...]
     dp: int
     capacity: int
     planning_seconds: float
@@ -74,18 +74,20 @@ class MicrobatchPlan:
     def num_slots(self) -> int:
         return len(self.microbatches) // self.dp
 
+    def _assignment(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(work, replica, slot) [K] int64 of the microbatches."""
+        mbs = self.microbatches
+        as_array = lambda values: np.fromiter(values, dtype=np.int64, count=len(mbs))  # noqa: E731
+        return (as_array(mb.compact_tokens for mb in mbs), as_array(mb.replica for mb in mbs),
+                as_array(mb.slot for mb in mbs))
+
     def slot_work(self) -> np.ndarray:
         """[J, D] int64: compact work of the microbatch replica d runs in slot j."""
-        out = np.zeros((self.num_slots, self.dp), dtype=np.int64)
-        for mb in self.microbatches:
-            out[mb.slot, mb.replica] = mb.compact_tokens
-        return out
+        return slot_work(*self._assignment(), self.dp)
 
     def objective(self) -> tuple[int, int, int, int]:
-        """HARTS eq. 4: (total work, sum over slots of the heaviest microbatch, heaviest replica's total work), then
-        the number of slots: at equal work and balance, fewer microbatches pay fewer per-microbatch costs."""
-        w = self.slot_work()
-        return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), self.num_slots
+        """HARTS eq. 4 and then the number of slots (`objective`)."""
+        return objective(*self._assignment(), self.dp)
 
     def to_json(self) -> dict:
         return {
@@ -108,9 +110,7 @@ def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> 
             raise ValueError(f"`{name}` must be >= 1, got {value}")
     if len(trajectories) == 0:
         raise ValueError("no trajectories to plan: the input is empty")
-    for i, t in enumerate(trajectories):
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"trajectories[{i}] must be a planner.Trajectory, got {type(t).__name__}")
+    check_trajectories(trajectories)
     lengths = np.fromiter((len(t) for t in trajectories), dtype=np.int64, count=len(trajectories))
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:
@@ -146,17 +146,24 @@ def assign_slots(work: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
     return replica, slot
 
 
-def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) -> tuple[int, int, int, int]:
-    """HARTS eq. 4 of an assignment, then the number of slots (see MicrobatchPlan.objective)."""
+def slot_work(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) -> np.ndarray:
+    """[J, D] int64: work [K] of the microbatch that replica d runs in slot j, from replica [K] and slot [K]."""
     w = np.zeros((work.size // dp, dp), dtype=np.int64)
     w[slot, replica] = work
-    return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), work.size // dp
+    return w
+
+
+def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) -> tuple[int, int, int, int]:
+    """HARTS eq. 4 of an assignment: (total work, sum over slots of the heaviest microbatch, heaviest replica's total
+    work), then the number of slots: at equal work and balance, fewer microbatches pay fewer per-microbatch costs."""
+    w = slot_work(work, replica, slot, dp)
+    return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), w.shape[0]
 
 
 def plan_from_groups(groups: list[np.ndarray], work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int,
                      capacity: int, seconds: float, method: str) -> MicrobatchPlan:
     """Build a MicrobatchPlan from input-index groups and their assignment."""
-    mbs = [Microbatch(tuple(sorted(int(i) for i in g)), int(r), int(s), int(w))
+    mbs = [PlannedMicrobatch(tuple(sorted(int(i) for i in g)), int(r), int(s), int(w))
            for g, w, r, s in zip(groups, work, replica, slot)]
     mbs.sort(key=lambda mb: (mb.slot, mb.replica))
     return MicrobatchPlan(tuple(mbs), dp, capacity, seconds, method)

@@ -12,6 +12,7 @@ import heapq
 
 import numpy as np
 
+from planner.index_arrays import floor_log2
 from planner.lcp_index import LcpIndex
 
 __all__ = ["natural_partition", "k_candidates", "sample_ks", "exact_dp", "evolve", "best_split", "window_starts"]
@@ -98,7 +99,7 @@ class _ArgminTable:
             self.table[j, :m] = np.where(values[right] < values[left], right, left)
 
     def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        j = (np.frexp((hi - lo + 1).astype(np.float64))[1] - 1).astype(np.int64)
+        j = floor_log2(hi - lo + 1)
         a, b = self.table[j, lo], self.table[j, hi - (1 << j) + 1]
         return np.where(self.values[b] < self.values[a], b, a)
 

@@ -3,11 +3,12 @@
 Legend: N trajectories, S semantic positions (all tokens of all trajectories, original order), C compact rows,
 G segments (maximal fork-free token paths of the trie).
 
-The trie is built from the lexicographic order of the trajectories. In that order the longest prefix a trajectory
-shares with *any* earlier one is the one it shares with its immediate predecessor (adjacent LCP), so trajectory j
-contributes exactly its tokens [LCP_j, L_j) as new rows, and the concatenation of these contributions is a depth-first
-preorder of the trie. In preorder every segment is a contiguous row range and every subtree is a contiguous range
-[row, subtree_end[row]). All work is per trajectory or vectorised over rows: no Python loop per token.
+The trie is built from the lexicographic order of the trajectories by token id (planner.lcp_index.lexicographic_lcp).
+In that order the longest prefix a trajectory shares with *any* earlier one is the one it shares with its immediate
+predecessor (adjacent LCP), so trajectory j contributes exactly its tokens [LCP_j, L_j) as new rows, and the
+concatenation of these contributions is a depth-first preorder of the trie. In preorder every segment is a contiguous
+row range and every subtree is a contiguous range [row, subtree_end[row]). All work is per trajectory or vectorised
+over rows: no Python loop per token.
 """
 
 from __future__ import annotations
@@ -17,32 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.trajectory import Trajectory
+from planner.index_arrays import offsets
+from planner.lcp_index import lexicographic_lcp
+from planner.trajectory import Trajectory, check_trajectories
 
-__all__ = ["CompactBatch", "pack", "lexicographic_order", "adjacent_lcp"]
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    if n == 0:
-        return 0
-    neq = a[:n] != b[:n]
-    first = int(neq.argmax())
-    return first if neq[first] else n
-
-
-def lexicographic_order(token_lists: Sequence[np.ndarray]) -> np.ndarray:
-    """Stable lexicographic order of token sequences (a proper prefix sorts before its extensions). [N] int64."""
-    keys = [np.asarray(t, dtype=">u4").tobytes() for t in token_lists]
-    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
-
-
-def adjacent_lcp(token_lists: Sequence[np.ndarray], order: np.ndarray) -> np.ndarray:
-    """lcp[j] = LCP(x_{order[j-1]}, x_{order[j]}) for j >= 1, and lcp[0] = 0. [N] int64."""
-    lcp = np.zeros(len(order), dtype=np.int64)
-    for j in range(1, len(order)):
-        lcp[j] = _lcp(token_lists[order[j - 1]], token_lists[order[j]])
-    return lcp
+__all__ = ["CompactBatch", "pack"]
 
 
 @dataclass(eq=False)
@@ -60,7 +40,7 @@ class CompactBatch:
         seg_offsets [G+1]: segment g owns rows [seg_offsets[g], seg_offsets[g+1]).
         seg_parent: parent segment, -1 for a root segment.
         seg_start, seg_end: position interval [start, end) of the segment; for a child, seg_start is its fork position.
-        seg_depth: number of parent-child segment edges above the segment (state-handoff depth).
+        (Derived segment structure, e.g. depth and children: planner.segment_tree.SegmentTree.from_batch.)
     Semantic positions ([S], original trajectory order, trajectory i at [traj_offsets[i], traj_offsets[i+1])):
         sem_to_compact: the map m, row of each semantic position.
         logit_row: row whose logits predict this position's token (m of the previous position), -1 for a first token.
@@ -78,7 +58,6 @@ class CompactBatch:
     seg_parent: np.ndarray
     seg_start: np.ndarray
     seg_end: np.ndarray
-    seg_depth: np.ndarray
     traj_offsets: np.ndarray
     sem_to_compact: np.ndarray
     logit_row: np.ndarray
@@ -139,21 +118,16 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     """
     if len(trajectories) == 0:
         raise ValueError("pack() needs at least one trajectory, got an empty list")
-    for i, t in enumerate(trajectories):
-        if not isinstance(t, Trajectory):
-            raise TypeError(f"trajectories[{i}] must be a planner.Trajectory, got {type(t).__name__}")
+    check_trajectories(trajectories)
     toks = [t.tokens for t in trajectories]
     n = len(toks)
     lengths = np.fromiter((x.size for x in toks), dtype=np.int64, count=n)
-    traj_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=traj_offsets[1:])
+    traj_offsets = offsets(lengths)
     S = int(traj_offsets[-1])
 
-    order = lexicographic_order(toks)
-    lcp = adjacent_lcp(toks, order)
+    order, lcp = lexicographic_lcp(toks, byteorder=">")
     new = lengths[order] - lcp  # rows contributed by each trajectory in sorted order
-    base = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(new, out=base[1:])
+    base = offsets(new)
     C = int(base[-1])
 
     # The map m, written trajectory by trajectory in sorted order: shared prefix copied from the predecessor.
@@ -189,20 +163,13 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     seg_start = positions[starts]
     seg_end = positions[seg_offsets[1:] - 1] + 1
 
-    # Preorder: a parent segment precedes its children, so depth is one forward pass and subtree ends one backward.
-    seg_depth = np.zeros(G, dtype=np.int64)
-    seg_sub_end = seg_offsets[1:].copy()
+    # Preorder: a parent segment precedes its children, so subtree ends are one backward pass.
     par = seg_parent.tolist()
-    depth = seg_depth.tolist()
-    for g in range(G):
-        if par[g] >= 0:
-            depth[g] = depth[par[g]] + 1
-    sub_end = seg_sub_end.tolist()
+    sub_end = seg_offsets[1:].tolist()
     for g in range(G - 1, -1, -1):
         p = par[g]
         if p >= 0 and sub_end[g] > sub_end[p]:
             sub_end[p] = sub_end[g]
-    seg_depth = np.asarray(depth, dtype=np.int64)
     subtree_end = np.asarray(sub_end, dtype=np.int64)[segment]
 
     logit_row = np.empty(S, dtype=np.int64)
@@ -229,7 +196,6 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
         seg_parent=seg_parent.astype(np.int64),
         seg_start=seg_start.astype(np.int64),
         seg_end=seg_end.astype(np.int64),
-        seg_depth=seg_depth,
         traj_offsets=traj_offsets,
         sem_to_compact=m,
         logit_row=logit_row,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.index_arrays import inverse_permutation, offsets
 from planner.min_calls import check_chunk_size, direct_children, mandatory_replay, min_calls
 from planner.segment_tree import SegmentTree
 
@@ -146,13 +147,11 @@ def schedule_sequences(tree: SegmentTree, chunk_size: int, direct_child, *, repl
 
     rnd_arr = np.asarray(rnd, dtype=np.int64)
     perm = np.lexsort((np.asarray(first, dtype=np.int64), rnd_arr))  # new sequence i = old sequence perm[i]
-    new_id = np.empty_like(perm)
-    new_id[perm] = np.arange(perm.size)
+    new_id = inverse_permutation(perm)
     src_arr = np.asarray(src, dtype=np.int64)[perm]
     src_arr = np.where(src_arr >= 0, new_id[np.maximum(src_arr, 0)], -1)
     lengths = np.fromiter((len(chains[i]) for i in perm), dtype=np.int64, count=perm.size)
-    seg_offsets = np.zeros(perm.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=seg_offsets[1:])
+    seg_offsets = offsets(lengths)
     segments = np.fromiter((g for i in perm.tolist() for g in chains[i]), dtype=np.int64, count=G)
     seg_sequence = np.empty(G, dtype=np.int64)
     seg_sequence[segments] = np.repeat(np.arange(perm.size), lengths)

@@ -13,6 +13,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from planner.index_arrays import offsets
+
 __all__ = ["SegmentTree", "segment_tree_from_json"]
 
 
@@ -139,9 +141,7 @@ class SegmentTree:
 
     def row_offsets(self) -> np.ndarray:
         """[G+1] rows of segment g at [row_offsets[g], row_offsets[g+1]) in a layout with segments in id order."""
-        offsets = np.zeros(self.num_segments + 1, dtype=np.int64)
-        np.cumsum(self.lengths, out=offsets[1:])
-        return offsets
+        return offsets(self.lengths)
 
 
 def _topology(parent: np.ndarray, name) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -149,8 +149,7 @@ def _topology(parent: np.ndarray, name) -> tuple[np.ndarray, np.ndarray, np.ndar
     G = parent.size
     is_child = parent >= 0
     children = np.flatnonzero(is_child)[np.argsort(parent[is_child], kind="stable")]
-    child_offsets = np.zeros(G + 1, dtype=np.int64)
-    np.cumsum(np.bincount(parent[is_child], minlength=G), out=child_offsets[1:])
+    child_offsets = offsets(np.bincount(parent[is_child], minlength=G))
     kids, offs = children.tolist(), child_offsets.tolist()
     order = np.flatnonzero(~is_child).tolist()
     depth = [0] * G

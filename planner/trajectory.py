@@ -8,13 +8,13 @@ predicts t_i from the prefix t_0 .. t_{i-1}, so token 0 never has a log-probabil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import numpy as np
 
-__all__ = ["Trajectory", "MAX_TOKEN_ID"]
+__all__ = ["Trajectory", "MAX_TOKEN_ID", "check_trajectories"]
 
-#: Token ids are stored as uint32 internally (lexicographic sorting uses their big-endian bytes).
+#: Token ids fit uint32: lexicographic sorting uses the bytes of their uint32 ids (planner.lcp_index).
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -84,3 +84,10 @@ class Trajectory:
 
     def __len__(self) -> int:
         return int(self.tokens.size)
+
+
+def check_trajectories(trajectories: Sequence) -> None:
+    """Raise TypeError naming the first entry of `trajectories` that is not a Trajectory."""
+    for i, t in enumerate(trajectories):
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"trajectories[{i}] must be a planner.Trajectory, got {type(t).__name__}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.calls import ExecutionPlan, RoundPlan
+from planner.index_arrays import offsets
 
 __all__ = ["CoreCall", "core_calls"]
 
@@ -68,7 +69,7 @@ def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], sta
         calls.append(
             CoreCall(
                 gather=rd.gather[positions],
-                cu_seqlens=np.concatenate([[0], np.cumsum([p.size for p in pieces])]).astype(np.int64),
+                cu_seqlens=offsets([p.size for p in pieces]),
                 init_state=np.array([state_at[s][edges[s][j] // chunk] for s in seqs], dtype=np.int64),
                 output_pos=np.flatnonzero(out).astype(np.int64),
             )

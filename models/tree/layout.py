@@ -15,6 +15,7 @@ from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
 from models.tree.row_gather import RowGather
+from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
 __all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
@@ -35,21 +36,21 @@ def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
 
 
 def build_attention_layout(
-    batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, device=None,
-    max_view_rows: int | None = None,
+    batch: CompactBatch, physical_to_compact: np.ndarray, compact_to_physical: np.ndarray, cu_seqlens: np.ndarray,
+    device=None, max_view_rows: int | None = None,
 ) -> TreeAttentionLayout:
     """TreeAttentionLayout for rows in physical order.
 
     Args:
         batch: the packed microbatch (compact rows in trie preorder).
-        physical_to_compact: [C] compact row of each physical row.
+        physical_to_compact: [C] compact row of each physical row; compact_to_physical [C]: its inverse
+            (planner.calls.ExecutionPlan holds both).
         cu_seqlens: [N+1] branch boundaries in physical rows; each branch must be one path in position order.
         max_view_rows: view rows per branch-attention kernel call (default C: no group's gathered keys/values
             outgrow the microbatch's own).
     """
     physical_to_compact = np.asarray(physical_to_compact, dtype=np.int64)
-    compact_to_physical = np.empty_like(physical_to_compact)
-    compact_to_physical[physical_to_compact] = np.arange(physical_to_compact.size)
+    compact_to_physical = np.asarray(compact_to_physical, dtype=np.int64)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     views, kv_lengths = [], []
     for n in range(cu.size - 1):
@@ -58,8 +59,7 @@ def build_attention_layout(
         views.append(anc)
         views.append(np.arange(cu[n], cu[n + 1]))
         kv_lengths.append(anc.size + cu[n + 1] - cu[n])
-    cu_kv = np.zeros(cu.size, dtype=np.int64)
-    np.cumsum(kv_lengths, out=cu_kv[1:])
+    cu_kv = offsets(kv_lengths)
     as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
     return TreeAttentionLayout(
         pre=as_t(physical_to_compact),
@@ -70,16 +70,17 @@ def build_attention_layout(
 
 
 def conv_context_rows(
-    batch: CompactBatch, physical_to_compact: np.ndarray, cu_seqlens: np.ndarray, width: int
+    batch: CompactBatch, physical_to_compact: np.ndarray, compact_to_physical: np.ndarray, cu_seqlens: np.ndarray,
+    width: int,
 ) -> np.ndarray:
     """[N, W-1] physical rows of the W-1 path predecessors of each branch's first row, oldest first; -1 = none.
 
-    A branch's short convolution reads these as its initial conv state, so its first rows see their true ancestors
-    and never a neighbour in the packing.
+    physical_to_compact [C] and its inverse compact_to_physical [C] give the physical order, as in
+    `build_attention_layout`. A branch's short convolution reads these as its initial conv state, so its first rows
+    see their true ancestors and never a neighbour in the packing.
     """
     physical_to_compact = np.asarray(physical_to_compact, dtype=np.int64)
-    compact_to_physical = np.empty_like(physical_to_compact)
-    compact_to_physical[physical_to_compact] = np.arange(physical_to_compact.size)
+    compact_to_physical = np.asarray(compact_to_physical, dtype=np.int64)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     out = np.full((cu.size - 1, width - 1), -1, dtype=np.int64)
     for n in range(cu.size - 1):
@@ -170,12 +171,12 @@ class TreeLayout:
             positions=as_t(batch.positions[p2c]),
             row_weight=torch.as_tensor(batch.multiplicity[p2c], dtype=torch.float64, device=device),
             seq_cu=as_t(plan.seq_row_offsets),
-            conv_context=as_t(conv_context_rows(batch, p2c, plan.seq_row_offsets, conv_size)),
+            conv_context=as_t(conv_context_rows(batch, p2c, c2p, plan.seq_row_offsets, conv_size)),
             linear_calls=[CoreCallTensors.build(c, device) for c in calls],
             linear_gather=_gather(gather, p2c.size, device),
             linear_call_rows=[int(c.gather.size) for c in calls],
             linear_keep=_gather(keep, gather.size, device),
-            attention=build_attention_layout(batch, p2c, plan.seq_row_offsets, device),
+            attention=build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets, device),
             logit_row=as_t(logit_row),
             target=as_t(batch.sem_tokens),
             chunk_size=plan.chunk_size,

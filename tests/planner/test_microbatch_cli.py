@@ -4,7 +4,7 @@ import json
 
 from planner.__main__ import main
 from planner.jsonl import read_jsonl
-from planner.microbatch import Microbatch, MicrobatchPlan
+from planner.microbatch import MicrobatchPlan, PlannedMicrobatch
 from planner.pack import pack
 from tests.planner.test_microbatch import check_plan
 
@@ -18,7 +18,7 @@ def test_batches_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"microbatches", "total_compact_tokens", "planning_seconds"}
     plan = MicrobatchPlan(
-        tuple(Microbatch(tuple(m["trajectories"]), m["replica"], m["slot"], m["compact_tokens"])
+        tuple(PlannedMicrobatch(tuple(m["trajectories"]), m["replica"], m["slot"], m["compact_tokens"])
               for m in out["microbatches"]), 2, 6, out["planning_seconds"], "cli")
     trajectories = read_jsonl(path)
     check_plan(plan, trajectories, 6, 2)

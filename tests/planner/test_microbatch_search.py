@@ -1,12 +1,14 @@
 """planner.lcp_index and planner.microbatch_search against brute force and an independent trie (planner.pack)."""
 
 import itertools
+import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.lcp_index import LcpIndex
+from planner.lcp_index import LcpIndex, lexicographic_lcp
 from planner.microbatch_search import (
     best_split,
     evolve,
@@ -29,6 +31,20 @@ def lcp(a, b):
 
 def ranges(starts, n):
     return list(zip(starts.tolist(), (np.append(starts[1:], n) - 1).tolist()))
+
+
+@pytest.mark.parametrize("byteorder", [">", "="])
+def test_lexicographic_lcp_sorts_by_the_bytes_of_the_chosen_order(byteorder):
+    """">" sorts by token id, "=" by the native-endian bytes; a proper prefix first, equal sequences stay in order."""
+    seqs = [[256, 1], [1], [256], [1, 256, 7], [1], [2**32 - 1, 0], [1, 256]]
+    endian = "big" if byteorder == ">" else sys.byteorder
+    key = lambda s: [int.from_bytes(t.to_bytes(4, endian), "big") for t in s]  # noqa: E731
+    want = sorted(range(len(seqs)), key=lambda i: key(seqs[i]))
+    order, adjacent = lexicographic_lcp([np.array(s, dtype=np.int64) for s in seqs], byteorder=byteorder)
+    assert order.tolist() == want and order.dtype == np.int64
+    assert adjacent.tolist() == [0] + [lcp(np.array(seqs[a]), np.array(seqs[b])) for a, b in zip(want, want[1:])]
+    if byteorder == ">":
+        assert want == [1, 4, 6, 3, 2, 0, 5]
 
 
 @settings(max_examples=80, deadline=None)

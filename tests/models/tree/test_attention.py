@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from models.tree.attention import tree_attention
 from models.tree.layout import build_attention_layout
+from planner.index_arrays import inverse_permutation
 from planner.pack import pack
 from tests.planner.trees import rollout_batches
 
@@ -21,7 +22,7 @@ def segment_order_layout(batch, seed, max_view_rows=None):
     phys = np.concatenate([np.arange(batch.seg_offsets[g], batch.seg_offsets[g + 1]) for g in segs])
     lengths = np.diff(batch.seg_offsets)[segs]
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    return phys, build_attention_layout(batch, phys, cu, max_view_rows=max_view_rows)
+    return phys, build_attention_layout(batch, phys, inverse_permutation(phys), cu, max_view_rows=max_view_rows)
 
 
 def flat_attention(q, k, v, scale):
