@@ -1,4 +1,5 @@
-"""Group-relative advantages for rollout trees (GRPO), written onto the trajectories' per-token `advantage`.
+"""Advantages written onto the trajectories' per-token `advantage`: group-relative for rollout trees (GRPO), or a
+batch-mean baseline (PPO without a critic).
 
 Two groupings:
 - "tree": each trajectory's reward minus the mean reward of its tree, divided by the tree's reward std (GRPO with a
@@ -6,7 +7,8 @@ Two groupings:
 - "siblings": a token's advantage is V(row) - V(parent row), where V(row) is the mean reward of the trajectories whose
   path contains that row. Along a fork-free path V is constant, so the advantage is zero there and jumps at forks:
   each branch is compared with its siblings under the same prefix. Divided by the tree's reward std as well.
-Only trained (loss-masked) tokens use the result; it is written for every token.
+`assign_batch_baseline` subtracts the mean reward of the whole step instead. Only trained (loss-masked) tokens use
+the result; it is written for every token.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from planner.pack import pack
 from planner.trajectory import Trajectory
 
-__all__ = ["assign_advantages"]
+__all__ = ["assign_advantages", "assign_batch_baseline"]
 
 
 def _row_values(batch, rewards: np.ndarray) -> np.ndarray:
@@ -62,3 +64,11 @@ def assign_advantages(
                 trajectories[i].advantage = step[rows].copy()
         else:
             raise ValueError(f"`grouping` must be 'tree' or 'siblings', got {grouping!r}")
+
+
+def assign_batch_baseline(trajectories: Sequence[Trajectory]) -> None:
+    """PPO's advantages without a critic: every token of a trajectory gets its reward minus the mean reward of all
+    `trajectories` (the step's batch)."""
+    mean = float(np.mean([t.reward for t in trajectories]))
+    for t in trajectories:
+        t.advantage = np.full(len(t), t.reward - mean)

@@ -25,18 +25,18 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 from rich.console import Console
 
-from app.advantages import assign_advantages
+from app.advantages import assign_advantages, assign_batch_baseline
 from app.checkpoint import rng_state, set_rng_state
 from app.config import JobConfig
 from app.config_loader import ConfigError
 from app.engines import build_engine
 from app.environments import make_environment
 from app.launch import check_multi_rank, launch_size, under_torchrun
-from app.metrics import MetricsLog, new_run_name
+from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
+                         sft_line, sft_scalars, train_scalars)
 from app.objectives import RouterLossConfig, rl_loss, sft_loss
 from app.policy import build_policy, resolve_device
 from app.progress import CountingEngine, JobProgress
@@ -248,20 +248,14 @@ class _Job:
             update = self._update(microbatches, sft_loss(self.router), lr, 1.0, f"SFT step {s + 1}")
             self.done.sft_done = s + 1
             values = {"sft/lr": lr, "sft/skipped": float(update.skipped), "time/step": time.perf_counter() - start}
-            step = update.step
-            if math.isfinite(step["loss"]):
-                n = max(step["trained_tokens"], 1.0)
-                values.update({"sft/loss": step["loss"], "sft/nll": step["nll_sum"] / n,
-                               "sft/entropy": step["entropy_sum"] / n, "sft/router_loss": step["router_loss"],
-                               **_plan_scalars(step, shared)})
+            if math.isfinite(update.step["loss"]):
+                values.update({**sft_scalars(update.step), **plan_scalars(update.step, shared.planner_seconds)})
             if update.grad_norm is not None:
                 values["sft/grad_norm"] = update.grad_norm
             self._log(values)
             bars.advance(task, info=f"nll {values.get('sft/nll', float('nan')):.3f}")
             if (s + 1) % max(1, c.train.sft_steps // 5) == 0 or s + 1 == c.train.sft_steps:
-                bars.print(f"SFT step {s + 1:>3}/{c.train.sft_steps}  nll {values.get('sft/nll', float('nan')):.3f}  "
-                           f"entropy {values.get('sft/entropy', float('nan')):.3f}  {values['time/step']:.1f} s",
-                           soft_wrap=True)
+                bars.print(sft_line(s + 1, c.train.sft_steps, values), soft_wrap=True)
             if self._checkpoint_due():
                 self.save()
 
@@ -291,20 +285,13 @@ class _Job:
             self._log(values)
             if self.main and c.metrics.tree_picture_interval and step % c.metrics.tree_picture_interval == 0:
                 self.metrics.image("rollout/tree", self.done.step, render_tree(self.trees[0], self.tokenizer))
-            line = (f"reward {values['rollout/reward_mean']:.3f}  solved {values['rollout/trees_solved']:.2f}  "
-                    f"loss {values.get('train/loss', float('nan')):+.4f}  "
-                    f"entropy {values.get('train/entropy', float('nan')):.3f}  "
-                    f"|dlogp| {values.get('mismatch/abs_mean', float('nan')):.4f}  "
-                    f"S/C {values.get('train/compression', float('nan')):.2f}  {values['time/step']:.1f} s")
-            bars.print(f"RL step {step + 1:>3}/{c.train.steps}  {line}", soft_wrap=True)
+            bars.print(rl_line(step + 1, c.train.steps, values), soft_wrap=True)
             bars.advance(task, info=f"reward {values['rollout/reward_mean']:.3f}")
             if self._checkpoint_due():
                 self.save()
-        if len(rewards) >= 2:
-            k = max(1, min(5, len(rewards) // 2))
-            first, last = rewards[:k], rewards[-k:]
-            bars.print(f"mean reward: RL steps {first[0][0]}-{first[-1][0]} {np.mean([r for _, r in first]):.3f}, "
-                       f"RL steps {last[0][0]}-{last[-1][0]} {np.mean([r for _, r in last]):.3f}", soft_wrap=True)
+        summary = reward_summary(rewards)
+        if summary is not None:
+            bars.print(summary, soft_wrap=True)
 
     def _rollout(self, step: int, bars: JobProgress) -> SharedBatch:
         """(main rank) RL step `step`: the engine builds the trees, advantages, the plan."""
@@ -319,13 +306,11 @@ class _Job:
         finally:
             bars.remove(rollout_bar)
         trajectories = [t for tree in self.trees for t in tree.trajectories()]
-        rewards = np.array([t.reward for t in trajectories])
         if c.rl.objective == "grpo":
             assign_advantages(trajectories, c.rl.advantages, c.rl.scale_by_std)
         else:
-            for t in trajectories:
-                t.advantage = np.full(len(t), t.reward - rewards.mean())
-        scalars = {**_rollout_scalars(self.trees, trajectories), "time/rollout": time.perf_counter() - start}
+            assign_batch_baseline(trajectories)
+        scalars = {**rollout_scalars(self.trees, trajectories), "time/rollout": time.perf_counter() - start}
         return self._planned(trajectories, scalars)
 
     def _rl_step(self, step: int, bars: JobProgress) -> dict[str, float]:
@@ -363,10 +348,10 @@ class _Job:
             if self.main:
                 self.engine.update_weights(checkpoint_tensors(policy))
         t3 = time.perf_counter()
-        values = {**shared.scalars, **_plan_scalars(first.step, shared), "train/lr": first.lr,
+        values = {**shared.scalars, **plan_scalars(first.step, shared.planner_seconds), "train/lr": first.lr,
                   "train/skipped": float(first.skipped)}
         if math.isfinite(first.step["loss"]):
-            values.update(_train_scalars(first))
+            values.update(train_scalars(first.step, first.grad_norm, first.expert_counts))
         values.update({"time/forward": first.metrics.forward_seconds, "time/backward": first.metrics.backward_seconds,
                        "time/optimizer": first.optimizer_seconds, "time/train": t2 - t1, "time/weight_sync": t3 - t2,
                        "time/step": t3 - t0})
@@ -406,61 +391,6 @@ class _Job:
 
     def close(self) -> None:
         self.trainer.close()
-
-
-def _rollout_scalars(trees: list[RolloutTree], trajectories) -> dict[str, float]:
-    rewards = np.array([t.reward for t in trajectories])
-    tree_tokens = sum(t.num_tree_tokens() for t in trees)
-    flat_tokens = sum(t.num_flat_tokens() for t in trees)
-    trained = sum(int(t.loss_mask.sum()) for t in trajectories)
-    return {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/trees_solved": float(np.mean([max(t.reward for t in tree.trajectories()) > 0 for tree in trees])),
-        "rollout/trajectories": float(len(trajectories)),
-        "rollout/tree_tokens": float(tree_tokens),
-        "rollout/flat_tokens": float(flat_tokens),
-        "rollout/compression": flat_tokens / max(tree_tokens, 1),
-        "rollout/generated_tokens_mean": trained / max(len(trajectories), 1),
-        "rollout/turns_mean": float(np.mean([t.extra["turns"] for t in trajectories])),
-        "rollout/prefix_cache_tokens": float(sum(n.cached_tokens for tree in trees for n in tree.nodes)),
-    }
-
-
-def _plan_scalars(step: dict[str, float], shared: SharedBatch) -> dict[str, float]:
-    """The whole step's plan (sums over replicas)."""
-    return {
-        "train/microbatches": step["microbatches"],
-        "train/compact_tokens": step["compact_rows"],
-        "train/semantic_tokens": step["semantic_tokens"],
-        "train/compression": step["compression"],
-        "train/linear_attention_calls": step["linear_attention_calls"],
-        "time/planner": shared.planner_seconds,
-    }
-
-
-def _train_scalars(update: Update) -> dict[str, float]:
-    m = update.step
-    n = max(m["trained_tokens"], 1.0)
-    values = {
-        "train/loss": m["loss"],
-        "train/policy_loss": m["policy"],
-        "train/kl": m["kl"],
-        "train/router_loss": m["router_loss"],
-        "train/entropy": m["entropy_sum"] / n,
-        "train/clip_fraction": m["clipped"] / n,
-        "train/tis_weight_mean": m["tis_weight_sum"] / n,
-    }
-    if update.grad_norm is not None:
-        values["train/grad_norm"] = update.grad_norm
-    if "mismatch_abs_sum" in m:
-        values["mismatch/abs_mean"] = m["mismatch_abs_sum"] / n
-        values["mismatch/mean"] = m["mismatch_sum"] / n
-    moe = [c for c in update.expert_counts if c is not None]
-    if moe:
-        loads = torch.stack([c / c.mean().clamp(min=1e-9) for c in moe])
-        values["moe/max_load"] = float(loads.max())
-        values["moe/mean_max_load"] = float(loads.max(dim=1).values.mean())
-    return values
 
 
 def run_rl(config: JobConfig, console: Console | None = None) -> int:
