@@ -84,6 +84,14 @@ def test_bad_records_name_the_field(record, field, message):
     assert info.value.field == field
 
 
+def test_a_record_may_choose_its_match():
+    env = AnswerEnv()
+    task = env.task_from_record({"prompt": "6*7?", "answer": 42, "match": "numeric"})
+    assert env.step(env.reset(task).state, turn("It is 42.")).reward == 1.0
+    with pytest.raises(RecordError, match="must be 'exact' or 'numeric'"):
+        env.task_from_record({"prompt": "?", "answer": 1, "match": "fuzzy"})
+
+
 def test_numeric_match_needs_a_numeric_answer():
     with pytest.raises(RecordError, match="must be a finite number") as info:
         AnswerEnv(match="numeric").task_from_record({"prompt": "?", "answer": "Paris"})
