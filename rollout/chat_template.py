@@ -71,15 +71,16 @@ class ChatTemplate:
     def __init__(self, tokenizer, **template_kwargs: Any) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs
-        where = tokenizer.name_or_path or type(tokenizer).__name__
-        self.name = f"the chat template of {where!r}"
+        path = tokenizer.name_or_path
+        which = f"the tokenizer {path!r}" if path else \
+            "the tokenizer (built in memory, like the model presets' character tokenizer)"
+        self.name = f"the chat template of {path!r}" if path else "the tokenizer's chat template"
         if not getattr(tokenizer, "chat_template", None):
-            raise ChatTemplateError(f"the tokenizer {where!r} has no chat template; chat environments need one "
-                                    "(model.hf_path: a checkpoint whose tokenizer_config.json or chat_template.jinja "
-                                    "defines it)")
+            raise ChatTemplateError(f"{which} has no chat template; chat environments need one (model.hf_path: a "
+                                    "checkpoint whose tokenizer_config.json or chat_template.jinja defines it)")
         self.eos = tokenizer.eos_token
         if not self.eos:
-            raise ChatTemplateError(f"the tokenizer {where!r} has no eos token (it ends every assistant turn)")
+            raise ChatTemplateError(f"{which} has no eos token (it ends every assistant turn)")
         base = self.render([_USER], None, generation_prompt=False)
         probe = self.render([_USER, {"role": "assistant", "content": _REPLY}, _USER], None, generation_prompt=False)
         start = probe.find(_REPLY, len(base)) if probe.startswith(base) else -1

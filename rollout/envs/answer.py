@@ -1,8 +1,8 @@
 """Answer checking: questions from task records, reward 1 for a reply that matches the record's `answer`.
 
 A record is {"prompt": str, "answer": str | number} or {"messages": [{"role": ..., "content": ...}, ...],
-"answer": ...}, with an optional "system" prompt (it overrides the environment's `system`). The reply is the turn's
-content after its last `</think>` (reasoning is not graded):
+"answer": ...}, with an optional "system" prompt and "match" (they override the environment's `system` and
+`match`). The reply is the turn's content after its last `</think>` (reasoning is not graded):
 
     match = "exact"    the reply equals str(answer), both with whitespace runs collapsed and ends stripped
     match = "numeric"  the last number in the reply equals the answer within a relative 1e-6 (commas in numbers
@@ -29,10 +29,11 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)
 
 @dataclass(frozen=True)
 class AnswerTask:
-    """The prompt messages, the answer as text, and its value (numeric match only)."""
+    """The prompt messages, the answer as text, how replies are matched, and the answer's value (numeric only)."""
 
     messages: tuple[Message, ...]
     answer: str
+    match: Literal["exact", "numeric"] = "exact"
     value: float | None = None
 
 
@@ -55,7 +56,7 @@ class AnswerEnv(ChatEnvironment):
     """Questions with known answers (records only: there is no generator).
 
     Args:
-        match: "exact" or "numeric" (module docstring).
+        match: "exact" or "numeric" (module docstring), for records without their own.
         attempts: turns the policy gets to answer (>= 1).
         system: system prompt of records without their own.
         feedback: the user message after a wrong reply when attempts remain.
@@ -76,8 +77,11 @@ class AnswerEnv(ChatEnvironment):
 
     def task_from_record(self, record: Mapping[str, Any]) -> AnswerTask:
         answer = required(record, "answer", str, float)
+        match = optional(record, "match", str, default=self.match)
+        if match not in ("exact", "numeric"):
+            raise RecordError(f"must be 'exact' or 'numeric', got {match!r}", field="match")
         value = None
-        if self.match == "numeric":
+        if match == "numeric":
             value = float(answer) if not isinstance(answer, str) else last_number(answer)
             if value is None or not math.isfinite(value):
                 raise RecordError(f"must be a finite number for match = 'numeric', got {answer!r}", field="answer")
@@ -97,7 +101,7 @@ class AnswerEnv(ChatEnvironment):
         if system is not None and turns[0]["role"] != "system":
             turns = ({"role": "system", "content": system}, *turns)
         text = answer if isinstance(answer, str) else (str(int(answer)) if float(answer).is_integer() else str(answer))
-        return AnswerTask(messages=turns, answer=text, value=value)
+        return AnswerTask(messages=turns, answer=text, match=match, value=value)
 
     def reset(self, task: AnswerTask) -> ChatReset:
         return ChatReset(messages=list(task.messages), state=(task, 0))
@@ -107,7 +111,7 @@ class AnswerEnv(ChatEnvironment):
         if not turn.finished:
             return False
         reply = reply_of(turn)
-        if self.match == "exact":
+        if task.match == "exact":
             return _collapse(reply) == _collapse(task.answer)
         number = last_number(reply)
         return number is not None and math.isclose(number, task.value, rel_tol=1e-6, abs_tol=1e-12)
