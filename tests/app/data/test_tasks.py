@@ -182,3 +182,16 @@ def test_bundled_datasets_parse_and_their_demonstrations_earn_reward():
     for i, task in enumerate(RecordStream(answers.data.files(), env.task_from_record, epochs=1, prefetch=0)):
         (trajectory,) = demonstration_tree(env, task, tokenizer, i).trajectories()
         assert trajectory.reward == 1.0
+
+
+def test_two_ranks_resume_the_records_through_the_distributed_checkpoint(tmp_path):
+    """Rank 0 reads the records; its data state goes into the DCP checkpoint and comes back on --resume: the run
+    equals one uninterrupted process (same trees, losses and parameters to 1e-9)."""
+    from tests.app.test_distributed import FLOAT64_JOB, assert_same_run, launch
+
+    want, got = job(tmp_path / "one"), job(tmp_path / "two")
+    assert main([str(want), *FLOAT64_JOB]) == 0
+    launch(got.parent, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--train.steps=1")
+    out = launch(got.parent, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
+    assert "resumed from" in out and "RL step   2/2" in out
+    assert_same_run(got.parent, want.parent)
