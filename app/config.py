@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.config_loader import ConfigError
+from app.data.config import DataConfig
 from app.losses import PolicyLossConfig
 from parallel.config import ParallelConfig
 from rollout.config import RolloutConfig
@@ -224,6 +225,7 @@ class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    data: DataConfig = field(default_factory=DataConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rl: RLConfig = field(default_factory=RLConfig)
@@ -238,6 +240,7 @@ class JobConfig:
             if not path.is_file():
                 raise ConfigError(f"`rollout.trajectories`: file {path} does not exist")
             self.rollout.trajectories = str(path)
+        self.data.resolve_paths(base)
         if self.model.hf_path is not None:
             path = (base / self.model.hf_path).resolve()
             if not (path / "config.json").is_file():

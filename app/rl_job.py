@@ -11,10 +11,11 @@ step's microbatches for the job's D data-parallel replicas, every rank trains it
 its step runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank alone talks to the engine,
 logs and prints.
 
-Every step's task set comes from a generator seeded by (train.seed, phase, step), so a resumed run samples the same
-tasks. A non-finite loss or gradient norm skips the optimizer step (the batch is dropped, the engine keeps its
-weights). An engine failure or invalid environment output saves a checkpoint of the trainer's last consistent state
-and stops with an error naming what failed.
+Every step's task set comes from a generator seeded by (train.seed, phase, step), or from `[data] tasks` records
+(app.data, whose state is in every checkpoint), so a resumed run sees the same tasks. A non-finite loss or gradient
+norm skips the optimizer step (the batch is dropped, the engine keeps its weights). An engine failure, invalid
+environment output or bad task record saves a checkpoint of the trainer's last consistent state and stops with an
+error naming what failed; the end of the records' last epoch (`data.epochs`) ends the run cleanly.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from app.advantages import assign_advantages, assign_batch_baseline
 from app.checkpoint import rng_state, set_rng_state
 from app.config import JobConfig
 from app.config_loader import ConfigError
+from app.data import DataError, DataExhausted, build_task_feed
 from app.engines import build_engine
-from app.environments import make_environment
+from app.environments import bind_tokenizer, make_environment
 from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
                          sft_line, sft_scalars, train_scalars)
@@ -128,6 +130,7 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         self.env = make_environment(c.rollout.env, c.rollout.env_options)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
+        self.env = bind_tokenizer(self.env, self.tokenizer)
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
             raise ConfigError(
                 f"`planner.chunk_size` = {c.planner.chunk_size} differs from the model's linear-attention chunk size "
@@ -136,6 +139,7 @@ class _Job:
         self.trainer = _build_trainer(c, model)
         self.main = self.trainer.is_main
         self.console = console if self.main else Console(quiet=True)
+        self.data = build_task_feed(c.data, self.env, seed=c.train.seed, on_skip=self._print) if self.main else None
         self.router = RouterLossConfig(c.train.moe_aux_loss_coef, c.train.moe_z_loss_coef)
         self.done = Completed()
         self.saved_step: int | None = None
@@ -157,7 +161,8 @@ class _Job:
 
     def save(self) -> None:
         self.saved_path = self.trainer.save(
-            self.done.step, {"progress": asdict(self.done), "rng": rng_state(), "run_name": self.run_name}
+            self.done.step, {"progress": asdict(self.done), "rng": rng_state(), "run_name": self.run_name,
+                             "data": None if self.data is None else self.data.state_dict(self.done.step)}
         )
         self.saved_step = self.done.step
 
@@ -167,9 +172,15 @@ class _Job:
         self.resumed_rng = state["rng"]
         set_rng_state(self.resumed_rng)
         self.run_name = state["run_name"]
+        if self.data is not None and state.get("data") is not None:
+            self.data.load_state_dict(state["data"])
         self.saved_step, self.saved_path = self.done.step, state["path"]
         self.console.print(f"resumed from {state['path']} (SFT steps done {self.done.sft_done}, "
                            f"RL steps done {self.done.rl_done})")
+
+    def _print(self, text: str) -> None:
+        """A line that may quote data (no rich markup) and stays whole for log readers."""
+        self.console.print(text, markup=False, soft_wrap=True)
 
     def _log(self, values: dict[str, float]) -> None:
         if self.metrics is not None:
@@ -228,10 +239,16 @@ class _Job:
         interval = self.config.checkpoint.interval
         return interval > 0 and self.done.step % interval == 0
 
+    def _tasks(self, count: int, seed: str) -> list:
+        """(main rank) The next step's tasks: from [data] tasks, else the environment's generator seeded by `seed`."""
+        if self.data is None:
+            return self.env.sample_tasks(count, random.Random(seed))
+        return self.data.tasks(count, self.done.step + 1)
+
     def _demonstrations(self, s: int) -> SharedBatch:
         """(main rank) SFT step `s`: demonstration trees of the step's tasks, planned."""
         c = self.config
-        tasks = self.env.sample_tasks(c.train.sft_tasks_per_step, random.Random(f"{c.train.seed}/sft/{s}"))
+        tasks = self._tasks(c.train.sft_tasks_per_step, f"{c.train.seed}/sft/{s}")
         trees = [demonstration_tree(self.env, t, self.tokenizer, f"sft{s}-{i}") for i, t in enumerate(tasks)]
         return self._planned([t for tree in trees for t in tree.trajectories()])
 
@@ -297,7 +314,7 @@ class _Job:
         """(main rank) RL step `step`: the engine builds the trees, advantages, the plan."""
         c = self.config
         start = time.perf_counter()
-        tasks = self.env.sample_tasks(c.rollout.tasks_per_step, random.Random(f"{c.train.seed}/rl/{step}"))
+        tasks = self._tasks(c.rollout.tasks_per_step, f"{c.train.seed}/rl/{step}")
         rollout_bar = bars.transient("rollout", None)
         try:
             self.trees = build_trees(CountingEngine(self.engine, bars, rollout_bar), self.env, tasks,
@@ -374,11 +391,14 @@ class _Job:
             with JobProgress(self.console, c.metrics.progress and self.main) as bars:
                 self.sft(bars)
                 self.rl(bars)
-        except (EngineError, EnvironmentOutputError) as e:
+        except DataExhausted as e:
+            self._print(f"data: {e}; stopping after step {self.done.step}")
+        except (EngineError, EnvironmentOutputError, DataError) as e:
             self.save()
-            what = "rollout engine failed" if isinstance(e, EngineError) else "invalid environment output"
+            what = "rollout engine failed" if isinstance(e, EngineError) else \
+                "bad task record" if isinstance(e, DataError) else "invalid environment output"
             notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
-            self.console.print(f"[red]error: {what} at step {self.done.step + 1}: {e}{notes}[/red]")
+            self.console.print(f"[red]error: {what} at step {self.done.step + 1}: {e}{notes}[/red]", soft_wrap=True)
             self.console.print(f"saved the trainer state to {self.saved_path}; continue with --resume")
             return 3 if isinstance(e, EngineError) else 2
         finally:

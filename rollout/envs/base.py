@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 __all__ = ["Action", "Reset", "Step", "Environment"]
 
@@ -74,6 +74,12 @@ class Environment(ABC):
     @abstractmethod
     def sample_tasks(self, count: int, rng: random.Random) -> list[Any]:
         """Draw `count` tasks (any values `reset` accepts)."""
+
+    def task_from_record(self, record: Mapping[str, Any]) -> Any:
+        """The task of one dataset record (`[data] tasks`: a JSONL object or a Parquet row). Read fields with
+        `rollout.envs.records.required` / `optional` and raise `RecordError` naming the field for a bad record."""
+        raise NotImplementedError(f"environment {self.name!r} does not read task records ([data] tasks): "
+                                  "it needs a task_from_record() method")
 
     @abstractmethod
     def reset(self, task: Any) -> Reset:

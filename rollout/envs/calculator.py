@@ -9,19 +9,23 @@ The user asks for an integer expression; the agent calls the calculator tool, re
 
 Malformed turns, unfinished turns and bad expressions get a short `<|tool|>error: ...` observation (tool_failed), so
 the agent may retry until RolloutConfig.max_turns; the reward stays 0 unless a correct answer follows.
+
+Tasks come from the generator (`num_operations`, `max_operand`) or from records ([data] tasks, `calculator_task`):
+`{"question": "(3+4)*5", "answer": 35, "steps": ["3+4", "7*5"]}` with `answer` and `steps` optional.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Mapping, Union
 
 from rollout.envs.base import Action, Environment, Reset, Step
+from rollout.envs.records import RecordError, optional, required
 from rollout.envs.tool_call import FinalAnswer, Malformed, ToolCall, parse_turn
 from rollout.tokenizer import CHAT
 
-__all__ = ["CalculatorTask", "CalculatorError", "evaluate", "CalculatorEnv"]
+__all__ = ["CalculatorTask", "CalculatorError", "evaluate", "calculator_task", "CalculatorEnv"]
 
 #: Longest expression the tool accepts and largest magnitude it returns (keeps observations short).
 MAX_EXPRESSION_CHARS = 48
@@ -134,6 +138,29 @@ def _solve_steps(e: _Expr) -> tuple[int, list[str]]:
     return evaluate(step), [*steps_a, *steps_b, step]
 
 
+def calculator_task(record: Mapping[str, Any]) -> CalculatorTask:
+    """The task of a record {"question": str, "answer": int (optional, checked), "steps": [str] (optional)}.
+
+    Without `steps` the SFT demonstration is the single call with the whole question."""
+    question = required(record, "question", str)
+    try:
+        value = evaluate(question)
+    except CalculatorError as e:
+        raise RecordError(f"{question!r} is not a calculator expression ({e})", field="question") from None
+    answer = optional(record, "answer", int, default=value)
+    if answer != value:
+        raise RecordError(f"{answer} is not the value of {question!r} ({value})", field="answer")
+    steps = optional(record, "steps", list, default=[question])
+    if not steps or not all(isinstance(s, str) for s in steps):
+        raise RecordError(f"must be a non-empty list of strings, got {steps!r}", field="steps")
+    for step in steps:
+        try:
+            evaluate(step)
+        except CalculatorError as e:
+            raise RecordError(f"{step!r} is not a calculator expression ({e})", field="steps") from None
+    return CalculatorTask(question=question, answer=answer, steps=tuple(steps))
+
+
 class CalculatorEnv(Environment):
     """Arithmetic questions answered with a calculator tool.
 
@@ -159,6 +186,9 @@ class CalculatorEnv(Environment):
             answer, steps = _solve_steps(e)
             tasks.append(CalculatorTask(question=_render(e), answer=answer, steps=tuple(steps)))
         return tasks
+
+    def task_from_record(self, record: Mapping[str, Any]) -> CalculatorTask:
+        return calculator_task(record)
 
     def reset(self, task: CalculatorTask) -> Reset:
         return Reset(prompt=f"{CHAT.bos}{CHAT.user}{task.question}{CHAT.end}{CHAT.assistant}", state=task)

@@ -1,9 +1,11 @@
 """A two-turn environment whose reward a random policy earns half the time, so RL tests get nonzero advantages
-without any training: each turn earns 1 when its first sampled token has an even id."""
+without any training: each turn earns 1 when its first sampled token has an even id. Its tasks are digits, drawn
+or read from records {"coin": int}."""
 
 from __future__ import annotations
 
 from rollout.envs import Environment, Reset, Step
+from rollout.envs.records import required
 from rollout.tokenizer import CHAT
 
 
@@ -15,6 +17,9 @@ class CoinEnv(Environment):
 
     def sample_tasks(self, count, rng):
         return [rng.randint(0, 9) for _ in range(count)]
+
+    def task_from_record(self, record):
+        return required(record, "coin", int)
 
     def reset(self, task):
         return Reset(prompt=f"{CHAT.bos}{CHAT.user}{task}{CHAT.end}{CHAT.assistant}", state=0)

@@ -89,13 +89,18 @@ def test_to_toml_shows_unset_values():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--rollout.env=maze"], r"`rollout.env` = 'maze' is neither a built-in environment \(calculator\)"),
+        (["--rollout.env=maze"],
+         r"`rollout.env` = 'maze' is neither a built-in environment \(calculator, chat_calculator, answer\)"),
         (["--rollout.env=tests.app.nowhere:Env"], r"cannot import module 'tests.app.nowhere'"),
         (["--rollout.env=tests.app.coin_env:Coin"], r"module 'tests.app.coin_env' has no attribute 'Coin'"),
         (["--rollout.env_options={size = 3}"], r"`rollout.env_options` \{'size': 3\} for environment 'calculator'"),
         (["--model.preset=tiny"], r"`model.preset` must be one of"),
         (["--model.vocab_size=50"], r"`model.vocab_size`: `vocab_size` must be at least 106"),
         (["--planner.chunk_size=32"], r"`planner.chunk_size` = 32 differs from the model's linear-attention chunk"),
+        (["--data.tasks=nowhere/*.jsonl"], r"`data.tasks`: '.*/nowhere/\*.jsonl' matches no file"),
+        (["--data.epochs=0"], r"`data.epochs` must be >= 1 or unset, got 0"),
+        (["--rollout.env=answer"], r"`rollout.env` = 'answer' speaks chat messages, but the tokenizer .* has no chat "
+                                   r"template; chat environments need one \(model.hf_path"),
     ],
 )
 def test_job_config_errors_exit_2(tmp_path, capsys, overrides, message):

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from rollout.envs import Action, CalculatorEnv
+from rollout.envs import Action, CalculatorEnv, RecordError
 from rollout.envs.calculator import CalculatorError, evaluate
 from rollout.tokenizer import build_char_tokenizer
 
@@ -66,3 +66,26 @@ def test_garbage_turns_never_crash():
             assert text.startswith("<|answer|>") and text.endswith("<|end|>")
         else:
             assert step.tool_failed and step.observation.startswith("<|tool|>error: ")
+
+
+def test_tasks_from_records():
+    env = CalculatorEnv()
+    task = env.task_from_record({"question": "(3+4)*5", "steps": ["3+4", "7*5"], "id": "extra keys are ignored"})
+    assert (task.question, task.answer, task.steps) == ("(3+4)*5", 35, ("3+4", "7*5"))
+    assert env.solutions(task)[1] == ["<|call|>3+4<|end|>", "<|call|>7*5<|end|>", "<|answer|>35<|end|>"]
+    single = env.task_from_record({"question": "2*3", "answer": 6})
+    assert env.solutions(single) == [["<|call|>2*3<|end|>", "<|answer|>6<|end|>"]]
+
+
+@pytest.mark.parametrize("record, field, message", [
+    ({}, "question", "missing"),
+    ({"question": "2+"}, "question", "not a calculator expression"),
+    ({"question": "2+2", "answer": 5}, "answer", "is not the value"),
+    ({"question": "2+2", "answer": "4"}, "answer", "must be an integer"),
+    ({"question": "2+2", "steps": "2+2"}, "steps", "must be a list"),
+    ({"question": "2+2", "steps": ["2+"]}, "steps", "not a calculator expression"),
+], ids=["missing", "expression", "wrong-answer", "answer-type", "steps-type", "bad-step"])
+def test_bad_records_name_the_field(record, field, message):
+    with pytest.raises(RecordError, match=message) as info:
+        CalculatorEnv().task_from_record(record)
+    assert info.value.field == field

@@ -1,0 +1,67 @@
+"""The `[data]` section: where the job's task records come from."""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from app.config_loader import ConfigError
+from app.data.files import SUFFIXES
+
+__all__ = ["DataConfig"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    tasks: str | list[str] | None = None
+    """Task records: a .jsonl or .parquet file, a glob ("data/*.jsonl", "**" recurses) or a list of them, relative
+    to the config file; files are read in sorted path order. Each record becomes a task through the environment's
+    task_from_record (its fields: the environment's docstring). Unset: the environment's own task generator."""
+    shuffle: bool = True
+    """Shuffle the records anew every epoch (seeded); false reads them in file order."""
+    seed: int | None = None
+    """Seed of the shuffle (>= 0); unset = `train.seed`."""
+    epochs: int | None = None
+    """Passes over the records; unset = as many as the run needs. After the last one the run stops cleanly (final
+    checkpoint and export); raise it and --resume to go on."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A record that cannot be read or lacks a field: "error" stops with file, line and field (after saving a
+    checkpoint); "skip" leaves it out and counts it (the checkpoint's data state holds the count)."""
+    prefetch: int = 16
+    """Records read and parsed ahead on a background thread; 0 = on the training thread."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, list) and not self.tasks:
+            raise ConfigError("`data.tasks` must name at least one file or glob, or be left unset")
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"`data.seed` must be >= 0 or unset, got {self.seed}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"`data.epochs` must be >= 1 or unset, got {self.epochs}")
+        if self.prefetch < 0:
+            raise ConfigError(f"`data.prefetch` must be >= 0 (0 = no background thread), got {self.prefetch}")
+
+    def resolve_paths(self, base: Path) -> None:
+        """Make the patterns absolute relative to the config file's folder and check that each matches a file."""
+        if self.tasks is None:
+            return
+        patterns = [self.tasks] if isinstance(self.tasks, str) else self.tasks
+        absolute = [str((base / p).resolve()) for p in patterns]
+        self.tasks = absolute[0] if isinstance(self.tasks, str) else absolute
+        self.files()
+
+    def files(self) -> list[Path]:
+        """The record files the patterns match, sorted, each once."""
+        patterns = [self.tasks] if isinstance(self.tasks, str) else list(self.tasks or [])
+        found: list[Path] = []
+        for pattern in patterns:
+            matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+            if not matches:
+                raise ConfigError(f"`data.tasks`: {pattern!r} matches no file")
+            for path in matches:
+                if path.suffix not in SUFFIXES:
+                    raise ConfigError(f"`data.tasks`: {path} is neither {' nor '.join(SUFFIXES)}")
+                if path not in found:
+                    found.append(path)
+        return sorted(found)
