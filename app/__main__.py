@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan_report(config)
         from app.preflight import check_rl_job
 
+        relaunch = launch_size(config) > 1 and not under_torchrun()
+        command = torchrun_command(config, args.config, [a for a in argv if a != args.config]) if relaunch else None
         for warning in check_rl_job(config):
             if os.environ.get("RANK", "0") == "0":
                 print(f"warning: {warning}", file=sys.stderr)
-        if launch_size(config) > 1 and not under_torchrun():
-            command = torchrun_command(config, args.config, [a for a in argv if a != args.config])
+        if command is not None:
             print(f"[arbor] {launch_size(config)} ranks: {' '.join(command)}", file=sys.stderr, flush=True)
             os.execv(command[0], command)
         from app.rl_job import run_rl
