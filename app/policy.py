@@ -4,18 +4,22 @@ tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelConfig
 from app.config_loader import ConfigError
+from models.config import ModelConfig as Architecture
 from models.decoder import HybridForCausalLM
+from models.hf_config import config_from_hf
 from models.hf_io import load_hf
 from models.presets import PRESETS, preset
 from rollout.tokenizer import build_char_tokenizer
 
-__all__ = ["build_policy", "resolve_device"]
+__all__ = ["architecture", "build_policy", "build_tokenizer", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -27,35 +31,53 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def architecture(config: ModelConfig) -> Architecture:
+    """The policy's architecture without building it: the preset with the `[model]` overrides, or `hf_path`'s
+    config.json (raises ConfigError naming the key)."""
+    if config.hf_path is not None:
+        try:
+            raw = json.loads((Path(config.hf_path) / "config.json").read_text())
+            return dataclasses.replace(config_from_hf(raw), dtype=config.dtype)
+        except (OSError, ValueError, KeyError, NotImplementedError) as e:
+            raise ConfigError(f"`model.hf_path`: {config.hf_path}/config.json: {e}") from None
+    if config.preset not in PRESETS:
+        raise ConfigError(f"`model.preset` must be one of {sorted(PRESETS)}, got {config.preset!r}")
+    overrides: dict = dict(dtype=config.dtype)
+    for name in ("vocab_size", "hidden_size"):
+        if getattr(config, name) is not None:
+            overrides[name] = getattr(config, name)
+    try:
+        return dataclasses.replace(preset(config.preset), **overrides)
+    except ValueError as e:
+        raise ConfigError(f"[model] {e}") from None
+
+
+def build_tokenizer(config: ModelConfig, vocab_size: int) -> PreTrainedTokenizerBase:
+    """`hf_path`'s tokenizer, or the character tokenizer padded to `vocab_size` (the architecture's)."""
+    if config.hf_path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(config.hf_path)
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"`model.hf_path`: the tokenizer in {config.hf_path} has no eos token (it ends turns)")
+        if len(tokenizer) > vocab_size:
+            raise ConfigError(f"`model.hf_path`: tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+        return tokenizer
+    try:
+        return build_char_tokenizer(vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"`model.vocab_size`: {e}") from None
+
+
 def build_policy(config: ModelConfig, seed: int) -> tuple[HybridForCausalLM, PreTrainedTokenizerBase]:
     """The initial policy (on CPU) and its tokenizer.
 
     A preset is initialised with `torch.manual_seed(seed)` and gets the character tokenizer padded to its vocabulary;
     its bos/eos/pad ids are written into the model config so that exported checkpoints (and vLLM) agree.
     """
+    arch = architecture(config)
+    tokenizer = build_tokenizer(config, arch.vocab_size)
     if config.hf_path is not None:
-        model = load_hf(config.hf_path, dtype=config.dtype)
-        tokenizer = AutoTokenizer.from_pretrained(config.hf_path)
-        if tokenizer.eos_token_id is None:
-            raise ConfigError(f"`model.hf_path`: the tokenizer in {config.hf_path} has no eos token (it ends turns)")
-        if len(tokenizer) > model.config.vocab_size:
-            raise ConfigError(
-                f"`model.hf_path`: tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}"
-            )
-        return model, tokenizer
-    if config.preset not in PRESETS:
-        raise ConfigError(f"`model.preset` must be one of {sorted(PRESETS)}, got {config.preset!r}")
-    architecture = preset(config.preset)
-    vocab_size = config.vocab_size or architecture.vocab_size
-    try:
-        tokenizer = build_char_tokenizer(vocab_size)
-    except ValueError as e:
-        raise ConfigError(f"`model.vocab_size`: {e}") from None
-    overrides = dict(
-        vocab_size=vocab_size, dtype=config.dtype, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    if config.hidden_size is not None:
-        overrides["hidden_size"] = config.hidden_size
+        return load_hf(config.hf_path, dtype=config.dtype), tokenizer
+    arch = dataclasses.replace(arch, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    return HybridForCausalLM(dataclasses.replace(architecture, **overrides)), tokenizer
+    return HybridForCausalLM(arch), tokenizer

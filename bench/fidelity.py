@@ -376,6 +376,8 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     if args.oracle and args.dtype == "float64":
         parser.error("--oracle compares against float64: run it with --dtype float32 or bfloat16")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
     try:
         result = run(args)
     except ValueError as e:

@@ -36,6 +36,7 @@ trajectories per rollout, which gives AReaL-DTA's two compression figures. Dialo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
@@ -97,6 +98,13 @@ class SweShape:
     helper_branch_tokens: tuple[int, int] = (100, 1500)
     helper_refork_probability: float = 0.3
 
+    def spines(self) -> tuple[tuple[int, ...], ...]:
+        """Longest lengths of the segments each tree hangs below the root before a branch can grow: every path of
+        the step must leave room for one more token after them."""
+        return ((self.root_tokens, self.agent_header_tokens, self.agent_prompt_tokens[1]),
+                (self.root_tokens, self.subagent_prompt_tokens[1]), (self.root_tokens, self.probe_prompt_tokens),
+                (self.root_tokens, self.helper_prompt_tokens))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Tau2Shape:
@@ -120,6 +128,10 @@ class Tau2Shape:
     record_probability: float = 0.19
     """Each call but the last is also a trajectory of its own (a prefix of the final context) with this probability."""
 
+    def spines(self) -> tuple[tuple[int, ...], ...]:
+        """As SweShape.spines: the root, the task prompt and the opening message precede every dialogue."""
+        return ((self.root_tokens, self.prompt_tokens[1], self.opening_tokens[1]),)
+
 
 class _Forest:
     """Branches of one step. Branch b attaches after the first `offset[b]` tokens of branch `parent[b]` (-1: none)
@@ -140,7 +152,7 @@ class _Forest:
         self.marker = 0
 
     def scaled(self, tokens: float) -> int:
-        return max(1, int(round(tokens * self.token_scale)))
+        return _scaled(tokens, self.token_scale)
 
     def add(self, parent: int, offset: int, length: int, tree: int, leaf: bool = True) -> int:
         """A branch of `length` own tokens (clipped to the room left below max_path, at least 1)."""
@@ -266,15 +278,26 @@ def _agent(f: _Forest, shape: SweShape, prompt: int, fraction: tuple[float, floa
     return _chain(f, shape, prompt, f.length[prompt], min(max(1, budget), room), tree, 0)
 
 
-def _check(scale: float, token_scale: float, vocab_size: int, max_path_tokens: int) -> None:
-    if not scale > 0:
-        raise ValueError(f"`scale` must be > 0, got {scale}")
-    if not token_scale > 0:
-        raise ValueError(f"`token_scale` must be > 0, got {token_scale}")
+def _scaled(tokens: float, token_scale: float) -> int:
+    return max(1, int(round(tokens * token_scale)))
+
+
+def _check(scale: float, token_scale: float, vocab_size: int, max_path_tokens: int, shape) -> None:
+    for name, value in (("scale", scale), ("token_scale", token_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"`{name}` must be > 0 and finite, got {value}")
     if not 2 <= vocab_size <= 2**32:
         raise ValueError(f"`vocab_size` must lie in [2, 2**32], got {vocab_size}")
     if max_path_tokens < 1:
         raise ValueError(f"`max_path_tokens` must be >= 1, got {max_path_tokens}")
+    longest = _scaled(max_path_tokens, token_scale)
+    need = max(sum(_scaled(n, token_scale) for n in spine) for spine in shape.spines()) + 1
+    if longest < need:
+        raise ValueError(
+            f"`token_scale` = {token_scale:g} leaves paths of at most {longest} tokens (max_path_tokens "
+            f"{max_path_tokens} x token_scale), fewer than the tree model's prompts ({need - 1} tokens) and one more "
+            "token: raise `token_scale` (or `max_path_tokens`)"
+        )
 
 
 def swe_like_step(
@@ -298,9 +321,9 @@ def swe_like_step(
     Returns:
         root-to-leaf trajectories, tree by tree (tree ids "swe{seed}-{k}"), default metadata.
     """
-    _check(scale, token_scale, vocab_size, max_path_tokens)
+    _check(scale, token_scale, vocab_size, max_path_tokens, shape)
     rng = np.random.default_rng([seed, 0x5E])
-    f = _Forest(rng, token_scale, max(1, int(round(max_path_tokens * token_scale))))
+    f = _Forest(rng, token_scale, _scaled(max_path_tokens, token_scale))
     target = max(1, int(round(rng.integers(*shape.paths_per_step, endpoint=True) * scale)))
     root = f.add(-1, 0, f.scaled(shape.root_tokens), -1, leaf=False)
     f.marker = int(rng.integers(0, vocab_size))
@@ -324,9 +347,9 @@ def tau2_like_step(
 
     Arguments as in `swe_like_step`; tree ids are "tau{seed}-{task}", one tree per task (group).
     """
-    _check(scale, token_scale, vocab_size, max_path_tokens)
+    _check(scale, token_scale, vocab_size, max_path_tokens, shape)
     rng = np.random.default_rng([seed, 0x7A])
-    f = _Forest(rng, token_scale, max(1, int(round(max_path_tokens * token_scale))))
+    f = _Forest(rng, token_scale, _scaled(max_path_tokens, token_scale))
     target = max(1, int(round(rng.integers(*shape.trajectories_per_step, endpoint=True) * scale)))
     root = f.add(-1, 0, f.scaled(shape.root_tokens), -1, leaf=False)
     calls = task = 0
@@ -371,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     args = parser.parse_args(argv)
     make = swe_like_step if args.kind == "swe" else tau2_like_step
-    trajectories = make(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=args.vocab_size)
+    try:
+        trajectories = make(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=args.vocab_size)
+    except ValueError as e:  # the argument checks of _check
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_jsonl(trajectories, args.out)
     tokens = sum(len(t) for t in trajectories)
     print(f"wrote {len(trajectories)} trajectories, {tokens} tokens to {args.out}", file=sys.stderr)

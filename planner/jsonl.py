@@ -48,6 +48,9 @@ def _parse(obj, where: str) -> Trajectory:
     tokens = obj["tokens"]
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise TrajectoryFileError(f"{where}: 'tokens' must be a non-empty list of integers")
+    tree = obj.get("tree")
+    if tree is not None and (not isinstance(tree, (str, int)) or isinstance(tree, bool)):
+        raise TrajectoryFileError(f"{where}: 'tree' must be a string or an integer id, got {json.dumps(tree)}")
     for key in ("loss_mask", "logprobs", "ref_logprobs"):
         if key in obj and not isinstance(obj[key], list):
             raise TrajectoryFileError(f"{where}: '{key}' must be a list with one entry per token")
@@ -72,11 +75,17 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
     if not path.is_file():
         raise TrajectoryFileError(f"{path}: no such file")
     trajectories = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TrajectoryFileError(
+                    f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSON lines are UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from app.config_loader import ConfigError
+from app.config_loader import PATH, ConfigError
 from app.data.files import SUFFIXES
 
 __all__ = ["DataConfig"]
@@ -15,7 +15,7 @@ __all__ = ["DataConfig"]
 
 @dataclass(kw_only=True)
 class DataConfig:
-    tasks: str | list[str] | None = None
+    tasks: str | list[str] | None = field(default=None, metadata=PATH)
     """Task records: a .jsonl or .parquet file, a glob ("data/*.jsonl", "**" recurses) or a list of them, relative
     to the config file; files are read in sorted path order. Each record becomes a task through the environment's
     task_from_record (its fields: the environment's docstring). Unset: the environment's own task generator."""
@@ -41,15 +41,8 @@ class DataConfig:
             raise ConfigError(f"`data.epochs` must be >= 1 or unset, got {self.epochs}")
         if self.prefetch < 0:
             raise ConfigError(f"`data.prefetch` must be >= 0 (0 = no background thread), got {self.prefetch}")
-
-    def resolve_paths(self, base: Path) -> None:
-        """Make the patterns absolute relative to the config file's folder and check that each matches a file."""
-        if self.tasks is None:
-            return
-        patterns = [self.tasks] if isinstance(self.tasks, str) else self.tasks
-        absolute = [str((base / p).resolve()) for p in patterns]
-        self.tasks = absolute[0] if isinstance(self.tasks, str) else absolute
-        self.files()
+        if self.tasks is not None:
+            self.files()
 
     def files(self) -> list[Path]:
         """The record files the patterns match, sorted, each once."""

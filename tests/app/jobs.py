@@ -18,7 +18,10 @@ tasks_per_step = 3
 fan_out = 2
 max_turns = 2
 max_new_tokens = 5
-max_model_len = 128
+# Paths are at most 20 tokens (5-token prompt, two 5-token turns, a 5-token observation in between); a path fits
+# max_model_len + max_env_tokens <= capacity, as the config check requires.
+max_model_len = 40
+max_env_tokens = 8
 
 [planner]
 # Several microbatches per step: gradients accumulate across them.

@@ -14,16 +14,16 @@ def write(tmp_path, text):
 
 
 def test_defaults_and_file_values(tmp_path):
-    config = load_config(JobConfig, write(tmp_path, "[planner]\ncapacity = 128\n[parallel]\ndp_shard = 2\n"))
-    assert config.planner.capacity == 128 and config.parallel.dp_shard == 2
+    config = load_config(JobConfig, write(tmp_path, "[planner]\ncapacity = 4096\n[parallel]\ndp_shard = 2\n"))
+    assert config.planner.capacity == 4096 and config.parallel.dp_shard == 2
     assert config.planner.chunk_size is None and config.job.kind == "rl"
 
 
 def test_overrides_win_and_parse_toml_values(tmp_path):
     config = load_config(
-        JobConfig, write(tmp_path, "[planner]\ncapacity = 128\n"), ["--planner.capacity=256", "--model.dtype=bfloat16"]
+        JobConfig, write(tmp_path, "[planner]\ncapacity = 4096\n"), ["--planner.capacity=8192", "--model.dtype=bfloat16"]
     )
-    assert config.planner.capacity == 256 and config.model.dtype == "bfloat16"
+    assert config.planner.capacity == 8192 and config.model.dtype == "bfloat16"
     assert parse_overrides(["--a.b=1.5", "--a.c=true", "--a.d=hello"]) == {"a": {"b": 1.5, "c": True, "d": "hello"}}
 
 
@@ -37,7 +37,7 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[planner]\ncapacity = 0\n", [], r"`planner.capacity` must be >= 1"),
         ("", ["--planner.chunk_size=x"], r"`planner.chunk_size` must be an integer"),
         ("", ["--planner=3"], r"--section.key=value"),
-        ("[rollout]\ntrajectories = 'missing.jsonl'\n", [], r"`rollout.trajectories`: file .*missing.jsonl does not exist"),
+        ("[job]\nkind = 'plan'\n[rollout]\ntrajectories = 'missing.jsonl'\n", [], r"`rollout.trajectories`: file .*missing.jsonl does not exist"),
         ("[planner\n", [], r"invalid TOML"),
         ("[rollout]\nfan_out = 0\n", [], r"\[rollout\] `fan_out` must be a positive integer"),
         ("[rollout.vllm]\nenforce_eagr = true\n", [],
@@ -47,6 +47,13 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[job]\nkind = 'sft'\n", [], r"`job.kind` must be one of 'rl', 'plan'"),
         ("[parallel]\ntp = 0\n", [], r"`parallel.tp` must be >= 1"),
         ("", ["--train.steps=-1"], r"`train.steps` must be >= 0"),
+        ("", ["--checkpoint.export_dir="], r"`checkpoint.export_dir` is an empty path: give a path, or none to unset"),
+        ("[metrics]\nlog_dir = ''\n", [], r"`metrics.log_dir` is an empty path"),
+        ("", ["--checkpoint.dir=none"], r"`checkpoint.dir` cannot be unset: give it a value"),
+        ("", ["--train.lr=none"], r"`train.lr` must be a number, got 'none'"),
+        ("", ["--rollout.vllm.gpu_memory_utilization=0"], r"`rollout.vllm.gpu_memory_utilization` must lie in \(0, 1\]"),
+        ("", ["--rollout.max_model_len=0"], r"`rollout.max_model_len` must be >= 1"),
+        ("", ["--train.weight_decay=-0.1"], r"`train.weight_decay` must be >= 0"),
     ],
 )
 def test_errors_name_the_key(tmp_path, text, overrides, message):
@@ -62,11 +69,11 @@ def test_missing_file(tmp_path):
 def test_print_config_round_trips(tmp_path, capsys):
     overrides = ["--parallel.dp_shard=4", "--rollout.vllm.enforce_eager=true",
                  "--rollout.env_options={max_operand = 5}"]
-    assert main([str(write(tmp_path, "[planner]\ncapacity = 77\n")), "--print-config", *overrides]) == 0
+    assert main([str(write(tmp_path, "[planner]\ncapacity = 7777\n")), "--print-config", *overrides]) == 0
     printed = capsys.readouterr().out
     assert "[rollout.vllm]" in printed
     again = load_config(JobConfig, write(tmp_path, printed))
-    assert again.planner.capacity == 77 and again.parallel.dp_shard == 4
+    assert again.planner.capacity == 7777 and again.parallel.dp_shard == 4
     assert again.rollout.vllm.enforce_eager and again.rollout.env_options == {"max_operand": 5}
 
 
@@ -82,8 +89,11 @@ def test_plan_job_reports_packing(capsys):
     assert "compression" in out and "compact tokens" in out
 
 
-def test_to_toml_shows_unset_values():
-    assert "# hf_path = (unset)" in to_toml(JobConfig())
+def test_to_toml_shows_unset_values_as_none(tmp_path):
+    printed = to_toml(load_config(JobConfig, None, ["--checkpoint.export_dir=none"]))
+    assert 'hf_path = "none"' in printed and 'export_dir = "none"' in printed
+    again = load_config(JobConfig, write(tmp_path, printed))
+    assert again.model.hf_path is None and again.checkpoint.export_dir is None
 
 
 @pytest.mark.parametrize(
@@ -112,3 +122,24 @@ def test_job_config_errors_exit_2(tmp_path, capsys, overrides, message):
 def test_resume_flag_sets_checkpoint_resume(tmp_path, capsys):
     assert main([str(write(tmp_path, "")), "--resume", "--print-config"]) == 0
     assert "resume = true" in capsys.readouterr().out
+
+
+def test_paths_follow_the_shell(tmp_path, monkeypatch):
+    """File paths are relative to the file, override paths to the current folder, defaults to the file's folder."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "shell").mkdir()
+    path = write(tmp_path / "conf", "[checkpoint]\ndir = 'ck'\n[metrics]\nlog_dir = 'tb'\n")
+    monkeypatch.chdir(tmp_path / "shell")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = load_config(JobConfig, "../conf/job.toml", ["--checkpoint.export_dir=out/hf", "--metrics.log_dir=~/tb"])
+    assert config.checkpoint.dir == str(tmp_path / "conf" / "ck")
+    assert config.checkpoint.export_dir == str(tmp_path / "shell" / "out" / "hf")
+    assert config.metrics.log_dir == str(tmp_path / "home" / "tb")
+    assert load_config(JobConfig, path).checkpoint.export_dir == str(tmp_path / "conf" / "outputs" / "hf")
+
+
+def test_none_unsets_optional_settings(tmp_path):
+    path = write(tmp_path, "[train]\nsft_lr = 0.1\n[checkpoint]\nexport_dir = 'none'\n")
+    assert load_config(JobConfig, path).checkpoint.export_dir is None
+    config = load_config(JobConfig, path, ["--train.sft_lr=none", "--model.hidden_size=none"])
+    assert config.train.sft_lr is None and config.model.hidden_size is None

