@@ -33,7 +33,10 @@ class JobSection:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelSection:
+    """The `[model]` section: which policy to train (a preset or a local HF checkpoint); the architecture itself is
+    `models.config.ModelConfig`."""
+
     preset: str = "tiny-qwen3-next"
     """Model architecture preset (models/presets.py), randomly initialised from `train.seed`; ignored when
     `hf_path` is set."""
@@ -243,7 +246,7 @@ class MetricsConfig:
 @dataclass(kw_only=True)
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     data: DataConfig = field(default_factory=DataConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.config import ModelConfig
+from app.config import ModelSection
 from app.config_loader import ConfigError
-from models.config import ModelConfig as Architecture
+from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
 from models.hf_config import config_from_hf
 from models.hf_io import load_hf
@@ -31,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def architecture(config: ModelConfig) -> Architecture:
+def architecture(config: ModelSection) -> ModelConfig:
     """The policy's architecture without building it: the preset with the `[model]` overrides, or `hf_path`'s
     config.json (raises ConfigError naming the key)."""
     if config.hf_path is not None:
@@ -52,7 +52,7 @@ def architecture(config: ModelConfig) -> Architecture:
         raise ConfigError(f"[model] {e}") from None
 
 
-def build_tokenizer(config: ModelConfig, vocab_size: int) -> PreTrainedTokenizerBase:
+def build_tokenizer(config: ModelSection, vocab_size: int) -> PreTrainedTokenizerBase:
     """`hf_path`'s tokenizer, or the character tokenizer padded to `vocab_size` (the architecture's)."""
     if config.hf_path is not None:
         tokenizer = AutoTokenizer.from_pretrained(config.hf_path)
@@ -67,7 +67,7 @@ def build_tokenizer(config: ModelConfig, vocab_size: int) -> PreTrainedTokenizer
         raise ConfigError(f"`model.vocab_size`: {e}") from None
 
 
-def build_policy(config: ModelConfig, seed: int) -> tuple[HybridForCausalLM, PreTrainedTokenizerBase]:
+def build_policy(config: ModelSection, seed: int) -> tuple[HybridForCausalLM, PreTrainedTokenizerBase]:
     """The initial policy (on CPU) and its tokenizer.
 
     A preset is initialised with `torch.manual_seed(seed)` and gets the character tokenizer padded to its vocabulary;

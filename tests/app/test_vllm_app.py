@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from app.__main__ import main  # noqa: E402
-from app.config import ModelConfig, RolloutSection, VLLMSection  # noqa: E402
+from app.config import ModelSection, RolloutSection, VLLMSection  # noqa: E402
 from app.engines import build_engine  # noqa: E402
 from app.policy import build_policy  # noqa: E402
 from models.hf_io import checkpoint_tensors  # noqa: E402
@@ -52,7 +52,7 @@ def test_two_rl_steps_with_vllm(tmp_path):
 
 def bf16_policy(seed: int):
     """A policy whose fp32 weights are exactly representable in bf16, with spread-out log-probs (scaled head)."""
-    model, tokenizer = build_policy(ModelConfig(vocab_size=128, hidden_size=64), seed)
+    model, tokenizer = build_policy(ModelSection(vocab_size=128, hidden_size=64), seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
         for p in model.parameters():
