@@ -154,6 +154,8 @@ class _Job:
                 self.console.print(f"starting fresh: removed {removed} old checkpoints in {c.checkpoint.dir} "
                                    "(use --resume to continue a run)")
             self.run_name = self.trainer.share(new_run_name)
+        for note in self.trainer.notes:
+            self.console.print(f"[yellow]{note}[/yellow]")
         self.metrics = MetricsLog(c.metrics.log_dir, self.run_name, purge_step=purge) if self.main else None
 
     def save(self) -> None:

@@ -2,7 +2,7 @@
 
 Entry points: `ParallelConfig` (degrees), `init_distributed` (torchrun env -> process group, device, meshes),
 `parallelize_hybrid` / `parallelize_for_job` (TP/EP -> AC -> compile -> FSDP2), `train_step` (one replica's
-microbatches: forward, loss, backward), `clip_grad_norm_`, and `parallel.checkpoint` (torchtitan DCP).
+microbatches: forward, loss, backward), `clip_grad_norm_`, and `parallel.checkpoint` (DCP checkpoints of a trainer).
 """
 
 from parallel.config import ParallelConfig

@@ -1,5 +1,6 @@
 """One run per output folder: a second lock is refused naming the owner, a killed owner's lock is taken over, a
-released lock leaves no file, folders that cannot be created are named by their config key."""
+released lock leaves no file, folders that cannot be created are named by their config key; the job stops a second
+run with one error line."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 
 import app.folder_lock
+from app.__main__ import main
 from app.config_loader import ConfigError
 from app.folder_lock import LOCK_FILE, FolderLock
+from tests.app.jobs import write_job
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = socket.gethostname()
@@ -86,3 +89,16 @@ def test_folder_that_cannot_be_created_names_its_key(tmp_path):
     with pytest.raises(ConfigError, match=f"`checkpoint.export_dir` = {tmp_path / 'afile' / 'hf'}: cannot create or "
                                           "write the folder"):
         FolderLock(tmp_path / "afile" / "hf", "checkpoint.export_dir")
+
+
+def test_second_run_on_a_checkpoint_folder_stops_with_one_error_line(tmp_path, capsys):
+    lock = FolderLock(tmp_path / "ck", "checkpoint.dir")
+    (tmp_path / "ck" / "step-3").mkdir()
+    assert main([str(write_job(tmp_path))]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"error: `checkpoint.dir` = {tmp_path / 'ck'} is in use by another run (pid {os.getpid()} on host {HOST}, "
+        f"started {json.loads((tmp_path / 'ck' / LOCK_FILE).read_text())['started']}): wait for it to end or choose "
+        f"another folder (if that run is gone, delete {tmp_path / 'ck' / LOCK_FILE})"]
+    assert "Traceback" not in captured.out and (tmp_path / "ck" / "step-3").is_dir()
+    lock.release()
