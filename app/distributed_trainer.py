@@ -48,6 +48,7 @@ class DistributedTrainer(Trainer):
         self.dp = job.config.dp
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
+        self._open_checkpoints(c)
         self.full_copy = copy.deepcopy(model) if self.is_main else None
         wrap = pipeline_for_job if job.config.pp > 1 else parallelize_for_job
         # The KL reference is wrapped now, like the policy; it is the policy's copy once RL begins (freeze_reference).
@@ -57,7 +58,6 @@ class DistributedTrainer(Trainer):
         self.optimizer = build_optimizers(self.model, lr=c.train.lr, weight_decay=c.train.weight_decay,
                                           betas=tuple(c.train.betas), implementation="for-loop")
         self.optimizers = tuple(self.optimizer)
-        self._open_checkpoints(c)
 
     @property
     def reference(self) -> nn.Module | None:

@@ -49,7 +49,8 @@ def frozen(model: nn.Module) -> nn.Module:
 
 class Trainer(Protocol):
     """The contract; its implementations subclass it for the methods both share (everything but `policy` and
-    `freeze_reference`), and call `_open_checkpoints` when built."""
+    `freeze_reference`), and call `_open_checkpoints` first when built (the checkpoint folder is locked before any
+    model work)."""
 
     model: nn.Module
     """The policy being trained: a HybridForCausalLM (wrapped by FSDP2 / TP / EP on a rank), or this rank's pipeline
@@ -148,6 +149,7 @@ class LocalTrainer(Trainer):
 
     def __init__(self, config: JobConfig, model: HybridForCausalLM, device: torch.device) -> None:
         c = config
+        self._open_checkpoints(c)
         self.device = device
         self.model = model.to(device)
         if c.parallel.activation_checkpointing == "full":
@@ -157,7 +159,6 @@ class LocalTrainer(Trainer):
         )
         self.optimizers = (self.optimizer,)
         self.reference: HybridForCausalLM | None = None
-        self._open_checkpoints(c)
 
     def policy(self) -> HybridForCausalLM:
         return self.model
