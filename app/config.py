@@ -150,6 +150,9 @@ class TrainConfig:
     """AdamW's (beta1, beta2), each in [0, 1)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
+    max_skipped_steps: int = 5
+    """Stop the job (exit 4) after this many consecutive optimizer steps skipped for a non-finite loss or gradient
+    norm, with a checkpoint of the last finite state; 0 = never stop."""
     sft_steps: int = 0
     """Supervised warm-up steps on tree-structured demonstrations (the environment's own solutions) before RL."""
     sft_lr: float | None = None
@@ -172,7 +175,7 @@ class TrainConfig:
     """torch intra-op threads of the trainer (unset = torch's default)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "sft_steps", "warmup_steps"):
+        for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`train.{name}` must be >= 0, got {getattr(self, name)}")
         if self.sft_tasks_per_step < 1:

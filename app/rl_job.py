@@ -23,14 +23,17 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
 from app.advantages import assign_advantages, assign_batch_baseline
-from app.checkpoint import rng_state, set_rng_state
+from app.checkpoint import NonFiniteError, check_finite, rng_state, set_rng_state
 from app.config import JobConfig
 from app.config_loader import ConfigError
 from app.data import DataError, DataExhausted, build_task_feed
@@ -42,6 +45,7 @@ from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary,
 from app.objectives import RouterLossConfig, rl_loss, sft_loss
 from app.policy import build_policy, resolve_device
 from app.progress import CountingEngine, JobProgress
+from app.stop_signal import StepAbandoned, StopSignal
 from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
 from app.tree_picture import render_tree
@@ -57,6 +61,14 @@ from rollout import EngineError, EnvironmentOutputError, build_trees, demonstrat
 from rollout.tree import RolloutTree
 
 __all__ = ["run_rl"]
+
+
+class StopRequested(Exception):
+    """A stop signal arrived; the job stops after the step it was in."""
+
+
+class TooManySkipped(Exception):
+    """`train.max_skipped_steps` optimizer steps in a row were skipped."""
 
 
 @dataclass
@@ -137,6 +149,8 @@ class _Job:
                 f"{model.config.chunk_size}: leave it unset"
             )
         self.trainer = _build_trainer(c, model)
+        self.trainer.own(c.checkpoint.export_dir, "checkpoint.export_dir")
+        self.trainer.own(c.metrics.log_dir, "metrics.log_dir")
         self.main = self.trainer.is_main
         self.console = console if self.main else Console(quiet=True)
         self.data = build_task_feed(c.data, self.env, seed=c.train.seed, on_skip=self._print) if self.main else None
@@ -147,6 +161,8 @@ class _Job:
         self.resumed_rng = None
         self.engine = None
         self.trees: list[RolloutTree] = []
+        self.skipped_in_a_row = 0
+        self.stop = StopSignal(self._print)
         purge = None
         if c.checkpoint.resume:
             self._restore()
@@ -157,6 +173,8 @@ class _Job:
                 self.console.print(f"starting fresh: removed {removed} old checkpoints in {c.checkpoint.dir} "
                                    "(use --resume to continue a run)")
             self.run_name = self.trainer.share(new_run_name)
+        for note in self.trainer.notes:
+            self.console.print(f"[yellow]{note}[/yellow]")
         self.metrics = MetricsLog(c.metrics.log_dir, self.run_name, purge_step=purge) if self.main else None
 
     def save(self) -> None:
@@ -239,6 +257,19 @@ class _Job:
         interval = self.config.checkpoint.interval
         return interval > 0 and self.done.step % interval == 0
 
+    def _step_done(self, skipped: bool) -> None:
+        """Between steps: stop after `train.max_skipped_steps` skipped updates in a row, or when a stop signal
+        arrived on the main rank (every rank stops after the same step)."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        limit = self.config.train.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            raise TooManySkipped(
+                f"{self.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
+                f"(`train.max_skipped_steps` = {limit}); lower the learning rate or check the data"
+            )
+        if self.trainer.share(lambda: self.stop.received) is not None:
+            raise StopRequested()
+
     def _tasks(self, count: int, seed: str) -> list:
         """(main rank) The next step's tasks: from [data] tasks, else the environment's generator seeded by `seed`."""
         if self.data is None:
@@ -275,6 +306,7 @@ class _Job:
                 bars.print(sft_line(s + 1, c.train.sft_steps, values), soft_wrap=True)
             if self._checkpoint_due():
                 self.save()
+            self._step_done(update.skipped)
 
     def _start_engine(self, policy: HybridForCausalLM | None) -> float:
         """(main rank) Start the rollout engine from the current policy; returns the seconds it took."""
@@ -306,6 +338,7 @@ class _Job:
             bars.advance(task, info=f"reward {values['rollout/reward_mean']:.3f}")
             if self._checkpoint_due():
                 self.save()
+            self._step_done(bool(values["train/skipped"]))
         summary = reward_summary(rewards)
         if summary is not None:
             bars.print(summary, soft_wrap=True)
@@ -379,35 +412,92 @@ class _Job:
         if folder is None:
             return
         policy = self.trainer.policy()
+        self.trainer.share(lambda: check_finite(policy.state_dict(), "the Hugging Face export"))
         if self.main:
             save_hf(policy, folder)
             self.tokenizer.save_pretrained(folder)
         self.console.print(f"exported the policy (Hugging Face format) to {folder}")
 
     def run(self) -> int:
+        """The phases, then the final checkpoint and the export; returns the exit code (README, "Failures and
+        recovery"): 0 done, 1 a step failed, 2 bad input (environment output, task record, non-finite weights),
+        3 the rollout engine failed, 4 too many skipped steps, 128 + signal number after a stop signal."""
         c = self.config
         self.console.print(f"TensorBoard: tensorboard --logdir {c.metrics.log_dir}  (run {self.run_name})")
         try:
-            with JobProgress(self.console, c.metrics.progress and self.main) as bars:
+            with self.stop, JobProgress(self.console, c.metrics.progress and self.main) as bars:
                 self.sft(bars)
                 self.rl(bars)
         except DataExhausted as e:
             self._print(f"data: {e}; stopping after step {self.done.step}")
+        except StopRequested:
+            name = signal.Signals(self.stop.received).name if self.stop.received else "a stop signal"
+            self._print(f"stopped by {name} after step {self.done.step}: {self._saved()}")
+            return self.stop.exit_code
+        except StepAbandoned as e:
+            return self._failed(128 + e.signum, f"{e} (step {self.done.step + 1})")
+        except TooManySkipped as e:
+            return self._failed(4, f"at step {self.done.step}: {e}")
         except (EngineError, EnvironmentOutputError, DataError) as e:
-            self.save()
             what = "rollout engine failed" if isinstance(e, EngineError) else \
                 "bad task record" if isinstance(e, DataError) else "invalid environment output"
             notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
-            self.console.print(f"[red]error: {what} at step {self.done.step + 1}: {e}{notes}[/red]", soft_wrap=True)
-            self.console.print(f"saved the trainer state to {self.saved_path}; continue with --resume")
-            return 3 if isinstance(e, EngineError) else 2
+            return self._failed(3 if isinstance(e, EngineError) else 2,
+                                f"{what} at step {self.done.step + 1}: {e}{notes}")
+        except NonFiniteError:
+            raise  # the weights diverged: nothing to save, the message says which checkpoints are kept
+        except ConfigError as e:
+            return self._failed(2, f"at step {self.done.step + 1}: {e}")
+        except Exception as e:  # a bug or a kernel / device failure inside a step: keep what was trained
+            where = self._write_traceback()
+            return self._failed(1, f"step {self.done.step + 1} failed: {type(e).__name__}: {e} (traceback in {where})")
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+        failures = []
         if self.saved_step != self.done.step:
-            self.save()
-        self.export()
-        return 0
+            failures.append(self._attempt(self.save, "the final checkpoint"))
+        # The export does not depend on the final checkpoint (nor the other way round).
+        failures.append(self._attempt(self.export, "the export"))
+        failures = [f for f in failures if f is not None]
+        for failure in failures:
+            self._print(f"error: {failure}")
+        return 2 if failures else 0
+
+    def _attempt(self, action, what: str) -> str | None:
+        """Run `action`; the reason it failed, naming `what`, or None."""
+        try:
+            action()
+        except (ConfigError, OSError) as e:
+            return f"{what} failed: {e}"
+        return None
+
+    def _saved(self) -> str:
+        """Checkpoint the last consistent state (that of the last finished step) and say where it is."""
+        failure = self._attempt(self.save, "saving the trainer state")
+        if failure is None:
+            return f"saved the trainer state to {self.saved_path}; continue with --resume"
+        latest = self.trainer.checkpoints.latest()
+        return f"{failure}; " + (f"the newest checkpoint is {latest} (--resume continues from it)" if latest else
+                                 "no checkpoint was written")
+
+    def _failed(self, code: int, message: str) -> int:
+        """One `error:` line for a failure during the phases and where the trained state is; returns `code`."""
+        saved = self._saved()
+        self._print(f"error: {message}")
+        self._print(saved)
+        return code
+
+    def _write_traceback(self) -> str:
+        """The current exception's traceback into the run's log folder (the console gets one line)."""
+        folder = self.metrics.path if self.metrics is not None else Path(self.config.metrics.log_dir)
+        path = folder / f"traceback-step-{self.done.step + 1}.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(traceback.format_exc())
+        except OSError:
+            return "no file: the log folder cannot be written"
+        return str(path)
 
     def close(self) -> None:
         self.trainer.close()

@@ -1,9 +1,10 @@
-"""Distributed training of the hybrid models on rollout-tree microbatches (see README "Distributed training").
+"""Distributed training of the hybrid models on rollout-tree microbatches (docs/distributed.md).
 
 Entry points: `ParallelConfig` (degrees), `init_distributed` (torchrun env -> process group, device, meshes),
 `parallelize_hybrid` / `parallelize_for_job` (TP/EP -> AC -> compile -> FSDP2), `prepare_replica` (one replica's
 microbatches of a step), the step runners (`StepRunner`: `PlainRunner`, and `parallel.pipeline_runner.
-PipelineRunner` for pipeline stages: forward, loss, backward, clipping), and `parallel.checkpoint` (torchtitan DCP).
+PipelineRunner` for pipeline stages: forward, loss, backward, clipping), and `parallel.checkpoint` (DCP checkpoints
+of a trainer).
 """
 
 from parallel.config import ParallelConfig

@@ -3,7 +3,7 @@
 Covered on the way: ./run.sh's torchrun re-launch (`python -m app` with [parallel] degrees above 1), rank 0's torch
 engine, trees and plan for D replicas shared with every rank, each rank's replica step (the step runners of parallel.runner
 under FSDP2 and FSDP2 x TP, and pipeline stages on torch >= 2.14), step metrics summed over replicas, weight sync from the gathered shards, DCP
-checkpoints and --resume, the HF export from rank 0.
+checkpoints and --resume (also from one process to two ranks and back), the HF export from rank 0.
 
 float64 models: the runs differ only in summation order (the step is split into microbatches for D replicas,
 reductions are sharded), so per-step losses and the exported parameters agree to ~1e-12, and the torch engine
@@ -93,6 +93,17 @@ def test_two_ranks_with_a_resume_equal_one_process(tmp_path):
     assert (got / "ck" / "step-2" / ".metadata").is_file(), "DCP checkpoint of step 2 (1 SFT + 1 RL step)"
     out = launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
     assert "resumed from" in out and "RL step   2/2" in out and "exported the policy" in out
+    assert_same_run(got, want)
+
+
+def test_a_run_moves_from_one_process_to_two_ranks_and_back(tmp_path):
+    """One checkpoint format: SFT and RL step 1 in one process, RL step 2 on two ranks (FSDP2: the plain tensors
+    resharded), RL step 3 in one process again (the shards gathered back) equal three RL steps in one process."""
+    want = single_process(tmp_path, "one", "--train.steps=3")
+    got = single_process(tmp_path, "moved", "--train.steps=1")
+    out = launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
+    assert "resumed from" in out and "ck/step-2 " in out and "RL step   2/2" in out
+    assert main([str(got / "job.toml"), *FLOAT64_JOB, "--train.steps=3", "--resume"]) == 0
     assert_same_run(got, want)
 
 

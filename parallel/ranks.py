@@ -1,0 +1,55 @@
+"""What one rank decides, every rank learns (the default process group; without one, this process alone).
+
+    share(fn)           rank 0 runs fn; its result, or the exception it raised, comes back on every rank
+    first_found(value)  the first non-None of every rank's `value`, in rank order, on every rank
+
+Both are collectives: every rank must call them in the same order. Values travel pickled between the ranks'
+memories (never through a file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["distributed", "is_main", "share", "first_found"]
+
+T = TypeVar("T")
+
+
+def distributed() -> bool:
+    """A default process group exists (a torchrun launch)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_main() -> bool:
+    """This process is rank 0 (or runs alone)."""
+    return not distributed() or dist.get_rank() == 0
+
+
+def share(fn: Callable[[], T]) -> T:
+    """fn() on rank 0, its result on every rank; an exception raised by fn is raised on every rank."""
+    if not distributed():
+        return fn()
+    payload: list[Any] = [None]
+    if is_main():
+        try:
+            payload[0] = (True, fn())
+        except Exception as e:  # every rank must leave the broadcast, then all raise it
+            payload[0] = (False, e)
+    dist.broadcast_object_list(payload, src=0)
+    ok, value = payload[0]
+    if not ok:
+        raise value
+    return value
+
+
+def first_found(value: T | None) -> T | None:
+    """The first non-None `value` over the ranks (rank order), on every rank."""
+    if not distributed():
+        return value
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return next((v for v in values if v is not None), None)
