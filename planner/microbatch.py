@@ -101,8 +101,13 @@ class MicrobatchPlan:
         }
 
 
-def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> np.ndarray:
-    """Validate planner inputs (shared with planner/baselines.py). Returns the lengths [N] int64."""
+def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int, *, split_paths: bool = False
+                 ) -> np.ndarray:
+    """Validate planner inputs (shared with planner/baselines.py and planner/carry.py). Returns the lengths [N] int64.
+
+    split_paths: the plan may cut a trajectory anywhere and leave replicas empty (carry mode), so neither a
+    trajectory longer than `capacity` nor fewer trajectories than `dp` is an error.
+    """
     for name, value in (("capacity", capacity), ("dp", dp)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -112,6 +117,8 @@ def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> 
         raise ValueError("no trajectories to plan: the input is empty")
     check_trajectories(trajectories)
     lengths = np.fromiter((len(t) for t in trajectories), dtype=np.int64, count=len(trajectories))
+    if split_paths:
+        return lengths
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:
         i = int(too_long[0])
