@@ -38,7 +38,7 @@ from planner.carry_events import part_reads, shared_events
 from planner.carry_layout import layout_replica
 from planner.carry_rows import UnitRows
 from planner.lcp_index import lexicographic_lcp
-from planner.microbatch import check_inputs, objective, slot_work
+from planner.microbatch import check_inputs, imbalance, objective, slot_work
 from planner.trajectory import Trajectory
 
 __all__ = ["CarryPart", "CarryMicrobatch", "CarryPlan", "ContextSizes", "ContextBound", "SortedStep", "plan_carry",
@@ -126,7 +126,9 @@ class CarryPlan:
     events: tuple[tuple[tuple[str, int], ...], ...]
     trie_compact_tokens: int
     max_open_microbatches: int
-    extra_view_rows: int
+    tree_extra_view_rows: tuple[int, ...]
+    """Per tree: rows its part boundaries add to the attention views (a cut inside a path makes the rows above it
+    part of one more view; a cut right after a leaf adds none)."""
     planning_seconds: float
     method: str = "carry"
 
@@ -138,6 +140,10 @@ class CarryPlan:
     @property
     def num_slots(self) -> int:
         return 1 + max((mb.slot for mb in self.microbatches), default=-1)
+
+    @property
+    def extra_view_rows(self) -> int:
+        return sum(self.tree_extra_view_rows)
 
     @property
     def max_context_rows(self) -> int:
@@ -195,9 +201,7 @@ class CarryPlan:
                             open_rows)
 
     def to_json(self) -> dict:
-        w = self.slot_work()
-        mean = w.mean(axis=1)
-        imbalance = np.where(mean > 0, w.max(axis=1) / np.maximum(mean, 1e-12) - 1, 0.0)
+        per_slot = imbalance(self.slot_work())
         return {
             "microbatches": [
                 {"parts": [{"tree": p.tree, "start": p.start, "stop": p.stop, "context_rows": p.context_rows}
@@ -213,8 +217,8 @@ class CarryPlan:
             "max_open_microbatches": self.max_open_microbatches,
             "extra_view_rows": self.extra_view_rows,
             "empty_events": self.empty_events,
-            "slot_imbalance": {"p50": float(np.percentile(imbalance, 50)), "p95": float(np.percentile(imbalance, 95)),
-                               "max": float(imbalance.max())},
+            "slot_imbalance": {"p50": float(np.percentile(per_slot, 50)), "p95": float(np.percentile(per_slot, 95)),
+                               "max": float(per_slot.max())},
             "planning_seconds": self.planning_seconds,
         }
 
@@ -255,7 +259,7 @@ def plan_units(step: SortedStep, units: list[Unit], whole: list[bool], capacity:
         if needed <= slots:
             break
         slots = needed
-    microbatches, events_reads, extra_view = [], [], 0
+    microbatches, events_reads, extra_view = [], [], [0] * len(units)
     for d, (m, layout) in enumerate(zip(mine, layouts)):
         local = [rows[u] for u in m]
         reads = part_reads(local, layout)
@@ -265,10 +269,10 @@ def plan_units(step: SortedStep, units: list[Unit], whole: list[bool], capacity:
             for p in chunk:
                 if p.start > 0:
                     cuts[p.unit].append(p.start)
-        for unit_rows, starts in zip(local, cuts):
+        for u, starts in zip(m, cuts):
             if starts:
                 starts = np.asarray(starts, dtype=np.int64)
-                extra_view += int(np.where(unit_rows.mid_path(starts), unit_rows.positions(starts), 0).sum())
+                extra_view[u] = int(np.where(rows[u].mid_path(starts), rows[u].positions(starts), 0).sum())
         for slot, chunk in enumerate(layout):
             parts = tuple(
                 CarryPart(m[p.unit], p.start, p.stop, reads.context_rows[slot][i],
@@ -279,12 +283,12 @@ def plan_units(step: SortedStep, units: list[Unit], whole: list[bool], capacity:
     events, peak = shared_events(events_reads, slots)
     microbatches.sort(key=lambda mb: (mb.slot, mb.replica))
     trees = tuple(tuple(sorted(int(i) for i in step.order[u.lo : u.hi])) for u in units)
-    return CarryPlan(trees, tuple(microbatches), capacity, dp, events, step.trie_rows, peak, extra_view,
+    return CarryPlan(trees, tuple(microbatches), capacity, dp, events, step.trie_rows, peak, tuple(extra_view),
                      time.perf_counter() - seconds_from, method)
 
 
 def plan_carry(trajectories: Sequence[Trajectory], capacity: int, dp: int, *, tolerance: float = 2e-4,
-               split_budget: float = 2e-3) -> CarryPlan:
+               split_budget: float = 5e-3) -> CarryPlan:
     """Plan a step in carry mode: parts of at most `capacity` rows, every unique row executed once per tree.
 
     Args:

@@ -7,13 +7,13 @@ All parts of a unit run on one replica (their carried context never crosses repl
 [lo, hi); splitting a range at rank j executes the lcp[j] rows the two sides share twice, so units are only split
 where that is cheap:
  1. connected components of the trie (lcp 0) are units; a unit is split further at every rank with its smallest
-    internal lcp (its root's children) while there are fewer units than 4 D, if that duplicates at most
-    `split_budget` of the step's trie rows in all;
+    internal lcp (its root's children) while there are fewer units than 4 D, if these splits duplicate at most
+    `split_budget` of the step's trie rows;
  2. largest-first (LPT) assignment to replicas, then moves and swaps of whole units between the heaviest replica and
     another one while the heavier of the two gets lighter;
  3. while the heaviest replica is more than `tolerance` above the mean: move a prefix or a suffix of one of its
-    units (cut at any rank) to the lightest replica, the cut that minimises the new heavier total plus the rows it
-    duplicates, if that is below the heaviest total.
+    units (cut at any rank) to the lightest replica, the cut that minimises the new heavier total (then the rows it
+    duplicates, which land on the lighter replica), if that total plus those rows is below the heaviest.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def _exchange(sizes: np.ndarray, replica: np.ndarray, dp: int, max_rounds: int =
 
 def _best_cut(ranges: list[tuple[int, int]], replica: np.ndarray, new: np.ndarray, lcp: np.ndarray,
               dp: int) -> tuple[int, int, bool] | None:
-    """Step 3's cut: (unit, rank j, whether the prefix moves) or None when no cut lowers the heaviest total."""
+    """Step 3's cut: (unit, rank j, whether the prefix moves), or None when no cut lowers the heaviest total by more
+    than the rows it duplicates."""
     sizes = np.array([_rows(new, lcp, lo, hi) for lo, hi in ranges], dtype=np.int64)
     total = np.bincount(replica, weights=sizes, minlength=dp).astype(np.int64)
     h, light = int(np.argmax(total)), int(np.argmin(total))
@@ -117,15 +118,19 @@ def _best_cut(ranges: list[tuple[int, int]], replica: np.ndarray, new: np.ndarra
         # suffix moves: the light replica runs lcp[j] + after rows; prefix moves: the heavy one keeps lcp[j] + after
         for prefix, heavy, light_total in ((False, total[h] - after, total[light] + after + lcp[j]),
                                            (True, total[h] - before + lcp[j], total[light] + before)):
-            score = np.maximum(heavy, light_total) + lcp[j]
-            i = int(np.argmin(score))
-            if score[i] < total[h] and (best is None or score[i] < best[0]):
-                best = (int(score[i]), int(u), int(j[i]), prefix)
+            new_max = np.maximum(heavy, light_total)
+            worth = new_max + lcp[j] < total[h]
+            if not worth.any():
+                continue
+            i = int(np.lexsort((lcp[j], np.where(worth, new_max, np.iinfo(np.int64).max)))[0])
+            key = (int(new_max[i]), int(lcp[j][i]))
+            if best is None or key < best[0]:
+                best = (key, int(u), int(j[i]), prefix)
     return None if best is None else best[1:]
 
 
 def balance_units(lcp: np.ndarray, length: np.ndarray, dp: int, *, tolerance: float = 2e-4,
-                  split_budget: float = 2e-3, max_cuts: int | None = None) -> list[Unit]:
+                  split_budget: float = 5e-3, max_cuts: int | None = None) -> list[Unit]:
     """Units (rank ranges of pack's order, in rank order) and their replicas (see the module docstring).
 
     Args:

@@ -43,7 +43,7 @@ from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_pa
 from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
-           "plan_from_groups", "check_inputs"]
+           "imbalance", "plan_from_groups", "check_inputs"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,12 @@ def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) 
     work), then the number of slots: at equal work and balance, fewer microbatches pay fewer per-microbatch costs."""
     w = slot_work(work, replica, slot, dp)
     return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), w.shape[0]
+
+
+def imbalance(work: np.ndarray) -> np.ndarray:
+    """HARTS eq. 23 per row of `work` [rows, D] (e.g. `slot_work`): max / mean - 1, 0 for an all-zero row."""
+    mean = work.mean(axis=1)
+    return np.where(mean > 0, work.max(axis=1) / np.maximum(mean, 1e-12) - 1, 0.0)
 
 
 def plan_from_groups(groups: list[np.ndarray], work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int,

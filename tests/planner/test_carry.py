@@ -147,3 +147,17 @@ def test_inputs_checked():
         plan_carry([], 8, 1)
     with pytest.raises(ValueError, match="`capacity` must be >= 1"):
         plan_carry([Trajectory([1, 2])], 0, 1)
+
+
+def test_extra_view_rows_count_cuts_inside_paths():
+    """A cut before a row whose parent is the previous row adds that row's position to the views; after a leaf none."""
+    rng = np.random.default_rng(2)
+    trajectories = [Trajectory(rng.integers(1, 50, size=40)) for _ in range(3)]
+    plan = plan_carry(trajectories, 16, 1)
+    expected = [0] * len(plan.trees)
+    for mb in plan.microbatches:
+        for p in mb.parts:
+            batch = pack([trajectories[i] for i in plan.trees[p.tree]])
+            if p.start > 0 and batch.parent[p.start] == p.start - 1:
+                expected[p.tree] += int(batch.positions[p.start])
+    assert list(plan.tree_extra_view_rows) == expected and sum(expected) > 0
