@@ -8,11 +8,12 @@ Legend: N trajectories, T capacity (compact rows per microbatch), D DP replicas 
 
 Trees. `plan.trees[u]` are the trajectory indices of tree u; its rows are those of `planner.pack.pack` of these
 trajectories, in pack's preorder (tree-local ids 0 .. R_u - 1). A tree is a rank range of pack's order
-(`planner.lexicographic_lcp(..., byteorder=">")`), so its rows follow from that order and the adjacent LCPs
+(`planner.lcp_index.lexicographic_lcp(..., byteorder=">")`), so its rows follow from that order and the adjacent LCPs
 (planner/carry_rows.py) without building a trie. The trees are the trie's connected components, split where two
 trajectories share only a few rows (for SWE-like steps: the 3-token chat-template start every rollout tree hangs
 from), which are then executed once per tree (planner/carry_balance.py). Executed rows = the step's trie rows plus
-those shared prefixes.
+those shared prefixes. In auto mode (planner/step_plan.py) a tree may also be a group of whole trajectories of at
+most T rows that is never cut (one part): a duplicated tree.
 
 Parts. A part is a contiguous preorder row range [start, stop) of one tree, cut anywhere (also inside one path, so a
 trajectory longer than T plans). Its context, what it reads of its tree's earlier parts, is the root path of row
@@ -124,12 +125,14 @@ class CarryPlan:
     capacity: int
     dp: int
     events: tuple[tuple[tuple[str, int], ...], ...]
-    trie_compact_tokens: int
-    max_open_microbatches: int
-    tree_extra_view_rows: tuple[int, ...]
+    trie_compact_tokens: int = 0
+    """Rows of the step's trie (what executing every unique row once costs)."""
+    max_open_microbatches: int = 0
+    """The most microbatches one replica has forwarded and not yet backwarded at once under `events`."""
+    tree_extra_view_rows: tuple[int, ...] = ()
     """Per tree: rows its part boundaries add to the attention views (a cut inside a path makes the rows above it
     part of one more view; a cut right after a leaf adds none)."""
-    planning_seconds: float
+    planning_seconds: float = 0.0
     method: str = "carry"
 
     @property
