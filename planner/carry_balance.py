@@ -6,8 +6,8 @@ rank adds to the step's trie, U units, D replicas.
 All parts of a unit run on one replica (their carried context never crosses replicas). A unit is a rank range
 [lo, hi); splitting a range at rank j executes the lcp[j] rows the two sides share twice, so units are only split
 where that is cheap:
- 1. connected components of the trie (lcp 0) are units; a unit is split further at every rank with its smallest
-    internal lcp (its root's children) while there are fewer units than 4 D, if these splits duplicate at most
+ 1. connected components of the trie (lcp 0) are units; with D > 1 a unit is split further at every rank with its
+    smallest internal lcp (its root's children) while there are fewer units than 4 D, if these splits duplicate at most
     `split_budget` of the step's trie rows;
  2. largest-first (LPT) assignment to replicas, then moves and swaps of whole units between the heaviest replica and
     another one while the heavier of the two gets lighter;
@@ -146,7 +146,7 @@ def balance_units(lcp: np.ndarray, length: np.ndarray, dp: int, *, tolerance: fl
     starts = np.flatnonzero(lcp == 0)
     ranges = list(zip(starts.tolist(), [*starts[1:].tolist(), lcp.size]))
     budget = int(split_budget * new.sum())
-    while len(ranges) < 4 * dp:
+    while dp > 1 and len(ranges) < 4 * dp:
         sizes = [_rows(new, lcp, lo, hi) for lo, hi in ranges]
         spent = _split_roots(ranges, lcp, sizes, budget)
         if spent < 0:

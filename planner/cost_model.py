@@ -53,6 +53,14 @@ class CostModel:
         """What splitting a tree by whole trajectories adds: the shared-prefix rows executed again."""
         return self.tree_per_compact * duplicated_rows
 
+    def plan_seconds(self, slot_rows, extra_view_rows: int, context_rows: int) -> float:
+        """Predicted time of a step plan whose replicas run in lockstep: per slot the heaviest microbatch's rows
+        (`slot_rows` [J, D], e.g. `CarryPlan.slot_work()`), plus what its cuts and carried context add, spread over
+        the D replicas."""
+        dp = slot_rows.shape[1]
+        heaviest = float(slot_rows.max(axis=1).sum()) if slot_rows.size else 0.0
+        return self.tree_per_compact * heaviest + self.carry_seconds(extra_view_rows, context_rows) / dp
+
     def prefers_carry(self, extra_view_rows: int, context_rows: int, duplicated_rows: int) -> bool:
         """Whether carrying a tree is predicted cheaper than duplicating its shared prefixes."""
         return self.carry_seconds(extra_view_rows, context_rows) < self.duplicate_seconds(duplicated_rows)

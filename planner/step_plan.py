@@ -5,16 +5,18 @@
 - duplicate: `planner.microbatch.plan_microbatches`; trajectories are whole, a tree split over microbatches executes
   its shared prefix in each of them (a trajectory longer than the capacity is an error).
 - carry: `planner.carry.plan_carry`; every unique row once per tree (tree = planner/carry_balance.py's unit).
-- auto: the carry plan, then per tree the cheaper of carrying it and duplicating it by the cost model
-  (`CostModel.prefers_carry`): carrying adds the view rows of its cuts and the context rows its parts read;
-  duplicating splits its trajectories into the contiguous groups of pack's order of at most T rows each that
-  execute the fewest rows (exact over contiguous groupings), which adds their shared prefixes. A duplicated tree
-  is then several trees that are never cut (one part each), on the carried tree's replica, and the step is laid
-  out again. When no tree is worth carrying the step gets the duplicate plan (whose search packs whole
+- auto: the carry plan, then for every tree larger than the capacity the cheaper of carrying it and duplicating it
+  by the cost model (`CostModel.prefers_carry`): carrying adds the view rows of its cuts and the context rows its
+  parts read; duplicating splits its trajectories into the contiguous groups of pack's order of at most T rows each
+  that execute the fewest rows (exact over contiguous groupings), which adds their shared prefixes. A duplicated
+  tree is then several trees that are never cut (one part each), on the carried tree's replica, and the step is laid
+  out again, and that layout is kept if the cost model predicts the step faster than the carry plan
+  (`CostModel.plan_seconds`: whole trees pack less tightly, which can cost a slot). Trees that fit in a microbatch need neither: the layout may still cut one to fill a microbatch, as in
+  carry mode. When no tree is worth carrying the step gets the duplicate plan (whose search packs whole
   trajectories better than the carry layout; with fewer trajectories than replicas, which it refuses, the carry
-  plan). Deciding per tree is sound because what either choice adds is the
-  tree's own work (rows and view rows of its microbatches) and carried context never crosses trees; what couples
-  trees is only how the layout packs them, which the re-layout accounts for.
+  plan). Deciding per tree is sound because what either choice adds is the tree's own work (rows and view rows of
+  its microbatches) and carried context never crosses trees; what couples trees is only how the layout packs them,
+  which the comparison of the whole step's layouts accounts for.
 """
 
 from __future__ import annotations
@@ -74,18 +76,27 @@ def _auto(trajectories: Sequence[Trajectory], capacity: int, dp: int, cost: Cost
             context[p.tree] += p.context_rows
     out, whole, any_carried = [], [], False
     for u, unit in enumerate(units):
-        groups = duplicate_groups(step, unit, capacity) if context[u] else None
+        groups = duplicate_groups(step, unit, capacity) if unit.rows > capacity else None
         duplicated = sum(g.rows for g in groups) - unit.rows if groups is not None else 0
-        if groups is None or cost.prefers_carry(carried.tree_extra_view_rows[u], int(context[u]), duplicated):
-            out.append(unit)
-            whole.append(False)
-            any_carried |= bool(context[u])
-        else:
+        if groups is not None and not cost.prefers_carry(carried.tree_extra_view_rows[u], int(context[u]),
+                                                         duplicated):
             out += groups
             whole += [True] * len(groups)
+        else:
+            out.append(unit)
+            whole.append(False)
+            any_carried |= unit.rows > capacity
     if not any_carried:
         return plan_microbatches(trajectories, capacity, dp) if len(trajectories) >= dp else carried
-    return plan_units(step, out, whole, capacity, dp, start, "auto")
+    if all(not w for w in whole):
+        return carried
+    mixed = plan_units(step, out, whole, capacity, dp, start, "auto")
+    return mixed if _seconds(mixed, cost) < _seconds(carried, cost) else carried
+
+
+def _seconds(plan: CarryPlan, cost: CostModel) -> float:
+    context = sum(p.context_rows for mb in plan.microbatches for p in mb.parts)
+    return cost.plan_seconds(plan.slot_work(), plan.extra_view_rows, context)
 
 
 def plan_step(trajectories: Sequence[Trajectory], capacity: int, dp: int, mode: Mode = "duplicate", *,

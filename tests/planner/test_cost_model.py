@@ -1,5 +1,7 @@
 """planner.cost_model: the tree-versus-flat and carry-versus-duplicate choices."""
 
+import numpy as np
+
 from planner.cost_model import CostModel
 
 
@@ -22,3 +24,9 @@ def test_refit_from_bench_speed_keys():
     fitted = {"flat_per_token": 6e-5, "tree_per_compact": 5e-5, "tree_per_view_row": 7e-6}
     cost = CostModel(**fitted)
     assert cost.tree_per_view_row == 7e-6 and cost.carry_per_context_row == CostModel().carry_per_context_row
+
+
+def test_plan_seconds_charges_the_heaviest_microbatch_of_each_slot():
+    cost = CostModel(tree_per_compact=1.0, tree_per_view_row=1.0, carry_per_context_row=1.0)
+    slot_rows = np.array([[10, 7], [4, 6]])
+    assert cost.plan_seconds(slot_rows, 3, 1) == 10 + 6 + (3 + 1) / 2
