@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Literal, Sequence
 
@@ -91,7 +92,8 @@ def _auto(trajectories: Sequence[Trajectory], capacity: int, dp: int, cost: Cost
     if all(not w for w in whole):
         return carried
     mixed = plan_units(step, out, whole, capacity, dp, start, "auto")
-    return mixed if _seconds(mixed, cost) < _seconds(carried, cost) else carried
+    best = mixed if _seconds(mixed, cost) < _seconds(carried, cost) else carried
+    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start)
 
 
 def _seconds(plan: CarryPlan, cost: CostModel) -> float:
