@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.carry import SortedStep, plan_carry
+from planner.carry import ContextSizes, SortedStep, plan_carry
 from planner.carry_balance import Unit
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
@@ -161,3 +161,20 @@ def test_extra_view_rows_count_cuts_inside_paths():
             if p.start > 0 and batch.parent[p.start] == p.start - 1:
                 expected[p.tree] += int(batch.positions[p.start])
     assert list(plan.tree_extra_view_rows) == expected and sum(expected) > 0
+
+
+def test_context_bound_of_one_long_path():
+    """40 tokens at T = 16: J = 3 slots of c = 14 rows, the 12-row head first, so parts [0, 12), [12, 26), [26, 40)
+    with contexts 0, 12, 26; every later part reads all earlier ones, so all three are open at the end."""
+    plan = plan_carry([Trajectory(np.arange(1, 41))], 16, 1)
+    assert [(p.start, p.stop, p.context_rows, p.entries) for mb in plan.microbatches for p in mb.parts] == [
+        (0, 12, 0, ()), (12, 26, 12, (12,)), (26, 40, 26, (26,))]
+    assert plan.events == ((("forward", 0), ("forward", 1), ("forward", 2), ("backward", 2), ("backward", 1),
+                            ("backward", 0)),)
+    sizes = ContextSizes(full_attention_row=1, linear_state=100, linear_row=1, conv_row=1, chunk_size=8, conv_width=3)
+    bound = plan.context_bound(sizes)
+    # linear: one anchor state each (8 and 24) plus 4 and 2 replayed rows; conv: 2 predecessor rows per entry
+    assert bound.part_bytes == {"full_attention": 26, "linear_attention": 104, "conv": 2}
+    # exports: rows 0-11 (read by both later parts, counted once) and rows 12-25
+    assert [mb.exported_rows for mb in plan.microbatches] == [12, 14, 0]
+    assert (bound.held_full_attention_bytes, bound.max_open_microbatches, bound.max_open_rows) == (26, 3, 40)
