@@ -33,6 +33,7 @@ from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
+from planner.cost_model import CostModel
 from planner.microbatch import plan_microbatches
 from planner.trajectory import Trajectory
 
@@ -242,10 +243,9 @@ def run_auto(state: dict, cost: dict, model, args, device) -> dict:
     """Run each planned microbatch as a tree when `cost` predicts that cheaper than its flat expansion; the
     trajectories of all other microbatches are pooled and packed flat like the baseline (first fit by raw tokens)."""
     trajectories, normalizer = state["trajectories"], state["normalizer"]
-    choices = []
-    for b, (C, views, _) in zip(state["batches"], state["tree_samples"]):
-        tree_cost = cost["tree_per_compact"] * C + cost["tree_per_view_row"] * views
-        choices.append(bool(tree_cost <= cost["flat_per_token"] * b.num_semantic))
+    cost_model = CostModel(**cost)
+    choices = [cost_model.prefers_tree(C, views, b.num_semantic)
+               for b, (C, views, _) in zip(state["batches"], state["tree_samples"])]
     pooled = [i for g, use_tree in zip(state["groups"], choices) if not use_tree for i in g]
     flat_groups = [[pooled[j] for j in fg] for fg in first_fit_flat([trajectories[i] for i in pooled], args.capacity)]
     # New flat shapes: one untimed pass first, as for the other modes.

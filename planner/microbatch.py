@@ -43,7 +43,7 @@ from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_pa
 from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
-           "plan_from_groups", "check_inputs"]
+           "imbalance", "plan_from_groups", "check_inputs"]
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,13 @@ class MicrobatchPlan:
         }
 
 
-def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> np.ndarray:
-    """Validate planner inputs (shared with planner/baselines.py). Returns the lengths [N] int64."""
+def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int, *, split_paths: bool = False
+                 ) -> np.ndarray:
+    """Validate planner inputs (shared with planner/baselines.py and planner/carry.py). Returns the lengths [N] int64.
+
+    split_paths: the plan may cut a trajectory anywhere and leave replicas empty (carry mode), so neither a
+    trajectory longer than `capacity` nor fewer trajectories than `dp` is an error.
+    """
     for name, value in (("capacity", capacity), ("dp", dp)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -112,6 +117,8 @@ def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int) -> 
         raise ValueError("no trajectories to plan: the input is empty")
     check_trajectories(trajectories)
     lengths = np.fromiter((len(t) for t in trajectories), dtype=np.int64, count=len(trajectories))
+    if split_paths:
+        return lengths
     too_long = np.flatnonzero(lengths > capacity)
     if too_long.size:
         i = int(too_long[0])
@@ -158,6 +165,12 @@ def objective(work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int) 
     work), then the number of slots: at equal work and balance, fewer microbatches pay fewer per-microbatch costs."""
     w = slot_work(work, replica, slot, dp)
     return int(w.sum()), int(w.max(axis=1).sum()), int(w.sum(axis=0).max()), w.shape[0]
+
+
+def imbalance(work: np.ndarray) -> np.ndarray:
+    """HARTS eq. 23 per row of `work` [rows, D] (e.g. `slot_work`): max / mean - 1, 0 for an all-zero row."""
+    mean = work.mean(axis=1)
+    return np.where(mean > 0, work.max(axis=1) / np.maximum(mean, 1e-12) - 1, 0.0)
 
 
 def plan_from_groups(groups: list[np.ndarray], work: np.ndarray, replica: np.ndarray, slot: np.ndarray, dp: int,

@@ -35,3 +35,23 @@ def test_batches_table_and_errors(tmp_path, capsys):
     assert "trajectory 0 has 4 tokens but capacity is 3" in capsys.readouterr().err
     assert main(["batches", str(path), "--capacity", "6", "--dp", "0"]) == 2
     assert "`dp` must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_batches_carry_json_and_table(tmp_path, capsys):
+    """--mode carry: executed rows next to the trie's, the context bound and the slot imbalance; a path longer than
+    the capacity plans (duplicate mode refuses it)."""
+    path = tmp_path / "w.jsonl"
+    path.write_text(WALKTHROUGH + '{"tokens":[1,2,3,4,5,6,7,8,9,10]}\n')
+    assert main(["batches", str(path), "--capacity", "6", "--dp", "2", "--mode", "carry", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    trie = pack(read_jsonl(path)).num_compact
+    assert out["trie_compact_tokens"] == out["total_compact_tokens"] == trie
+    assert out["total_compact_tokens"] == sum(m["compact_tokens"] for m in out["microbatches"])
+    assert out["max_context_rows"] >= 6 and out["max_open_microbatches"] >= 2
+    assert set(out["slot_imbalance"]) == {"p50", "p95", "max"}
+    assert len({tuple(k for k, _ in events) for events in out["events"]}) == 1
+    assert main(["batches", str(path), "--capacity", "6", "--dp", "2", "--mode", "carry"]) == 0
+    table = capsys.readouterr().out
+    assert f"executed rows for {trie} trie rows" in table and "microbatches open" in table
+    assert main(["batches", str(path), "--capacity", "6", "--dp", "2"]) == 2
+    assert "has 10 tokens but capacity is 6" in capsys.readouterr().err
