@@ -31,7 +31,7 @@ from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
-from models.moe import MoEStats, load_balancing_loss, router_z_loss
+from models.moe import load_balancing_loss, pooled_stats, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
 from planner.jsonl import read_jsonl
@@ -56,18 +56,8 @@ def build_model(args) -> HybridForCausalLM:
     return model.to(args.device)
 
 
-def pooled(stats: list[MoEStats | None]) -> MoEStats | None:
-    moe = [s for s in stats if s is not None]
-    if not moe:
-        return None
-    out = moe[0]
-    for s in moe[1:]:
-        out = out + s
-    return out
-
-
 def moe_aux(stats) -> torch.Tensor:
-    p = pooled(stats)
+    p = pooled_stats(stats)
     if p is None:
         return torch.zeros((), dtype=torch.float64)
     return (load_balancing_loss(p) + router_z_loss(p)).double()
