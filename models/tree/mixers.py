@@ -29,10 +29,10 @@ from models.tree.layout import TreeLayout
 from models.tree.row_gather import RowGather
 
 __all__ = ["TreeContext", "linear_attention_rounds", "linear_attention_states", "tree_linear_mixer",
-           "tree_attention_mixer", "read_rows"]
+           "tree_attention_mixer", "read_rows", "conv_initial_state"]
 
 
-def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
+def conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
     """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1).
     Reads only the N x (W-1) context rows (no padded copy of x)."""
     ctx_NWX = torch.where((context_NW >= 0)[..., None], x_CX[context_NW.clamp(min=0)], 0.0)
@@ -83,7 +83,7 @@ def linear_attention_states(
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
     rows = mixer.project(h_CD)
-    init = _conv_initial_state(rows.qkv, layout.conv_context)
+    init = conv_initial_state(rows.qkv, layout.conv_context)
     qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
     o = linear_attention_rounds(mixer, mixer.activate(rows, qkv_CX), layout)
     return mixer.output(o, rows)
