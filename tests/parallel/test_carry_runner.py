@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.branching import nested_fork_trajectories
 from models.carry_microbatch import CarryStep, prepare_carry_step
 from models.decoder import FlatContext, flat_context
 from models.linear_attention import LinearAttention
@@ -29,48 +28,12 @@ from models.tree.carry import CarryExchange
 from parallel import carry_runner
 from parallel.carry_runner import CarryRunner
 from planner.pack import pack
+from tests.models.tree.test_carry_layout import carry_parts, step_trees
 from tests.models.tree.test_execute import make_model
 from tests.reference import reference_token_weights
 
 TOL = 1e-10
 AUX, Z = 0.01, 0.001
-
-
-def step_trees(chunk: int, vocab: int):
-    """Two nested-fork trees (forks at B-1, B, B+1 and mid-chunk offsets), grouped by tree."""
-    rng = np.random.default_rng(3)
-    trajectories = nested_fork_trajectories(rng, chunk, vocab, depth=3, trees=2)
-    for t in trajectories:
-        t.weight = float(rng.uniform(0.5, 1.5))
-    trees: dict[str, list] = {}
-    for t in trajectories:
-        trees.setdefault(t.tree, []).append(t)
-    return list(trees.values())
-
-
-def cut_rows(batch, chunk: int, min_rows: int = 8) -> list[int]:
-    """Part boundaries of one tree: first rows of side branches forking at positions B-1, 0, 1 (mod B), and rows at
-    positions 1 and B-1 (mod B) inside its longest segment, keeping parts of at least `min_rows` rows."""
-    starts = batch.seg_offsets[:-1]
-    forks = starts[(batch.seg_parent >= 0) & np.isin(batch.seg_start % chunk, [chunk - 1, 0, 1])]
-    longest = int(np.argmax(np.diff(batch.seg_offsets)))
-    rows = np.arange(batch.seg_offsets[longest], batch.seg_offsets[longest + 1])
-    inside = rows[np.isin(batch.positions[rows] % chunk, [1, chunk - 1])][1::2]
-    cuts = []
-    for r in sorted(set(forks.tolist()) | set(inside.tolist())):
-        if r - (cuts[-1] if cuts else 0) >= min_rows and batch.num_compact - r >= min_rows:
-            cuts.append(int(r))
-    return cuts
-
-
-def carry_parts(trees, chunk: int) -> list[list[tuple[int, int, int]]]:
-    """Microbatch k holds part k of every tree that has one."""
-    per_tree = []
-    for t, trajectories in enumerate(trees):
-        batch = pack(trajectories)
-        bounds = [0, *cut_rows(batch, chunk), batch.num_compact]
-        per_tree.append([(t, a, b) for a, b in zip(bounds[:-1], bounds[1:])])
-    return [[p[k] for p in per_tree if k < len(p)] for k in range(max(map(len, per_tree)))]
 
 
 def microbatch_loss(logprobs_S, mb, output):
@@ -218,3 +181,46 @@ def test_carry_ablation_without_injected_gradients_fails(monkeypatch, dropped):
     CarryRunner(model).train_step(step, microbatch_loss)
     flat_reference(reference, trees, step)[1].backward()
     assert max(relative_errors(reference, model).values()) > 1e-4
+
+
+def test_single_trajectory_longer_than_a_microbatch():
+    """One trajectory cut inside its path at B-1, B+1 and 2B of the chunk grid (parts of one segment), run with
+    empty events and two trees' parts in separate microbatches (backward of a tree's last part right after its
+    forward): log-probs and gradients equal trajectory-wise training."""
+    reference, model = make_model("tiny-qwen3-next", torch.float64), make_model("tiny-qwen3-next", torch.float64)
+    B = model.config.chunk_size
+    both = step_trees(B, model.config.vocab_size)
+    trees = [both[0][:1], both[1][:2]]
+    parts = [[(0, 0, B - 1)], [(0, B - 1, B + 1)], [(0, B + 1, 2 * B)], [(0, 2 * B, pack(trees[0]).num_compact)],
+             [(1, 0, pack(trees[1]).num_compact)]]
+    events = [("forward", 0), ("forward", 1), ("forward", -1), ("forward", 2), ("forward", 3), ("backward", 3),
+              ("backward", 2), ("forward", 4), ("backward", 4), ("backward", 1), ("backward", -1), ("backward", 0)]
+    counts = trained_counts([t for ts in trees for t in ts])
+    step = prepare_carry_step(trees, parts, model.config, torch.device("cpu"), events=events,
+                              normalizer=StepNormalizer(*counts))
+    assert [len(mb.links.producers) for mb in step] == [0, 1, 2, 3, 0]
+    model.set_activation_checkpointing(True)
+    runner = CarryRunner(model)
+    result = runner.train_step(step, microbatch_loss)
+    lp_ref, loss_ref, _, _, tree_offsets = flat_reference(reference, trees, step)
+    loss_ref.backward()
+    for mb, lp in zip(step, runner.score(step)):
+        flat_index = np.concatenate([tree_offsets[p.tree] + s for p, s in zip(mb.parts, mb.scored)])
+        assert (lp - lp_ref[flat_index].detach()).abs().max().item() <= TOL
+    assert abs(result.loss - loss_ref.item()) <= TOL * abs(loss_ref.item())
+    assert max(relative_errors(reference, model).values()) <= TOL
+
+
+@pytest.mark.parametrize("events, message", [
+    ([("forward", 1), ("forward", 0), ("backward", 1), ("backward", 0)], "have not run their forward"),
+    ([("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)], "before the backward of microbatches \\[1\\]"),
+])
+def test_event_order_errors(events, message):
+    model = make_model("tiny-kimi-linear", torch.float64)
+    trees = step_trees(model.config.chunk_size, model.config.vocab_size)[:1]
+    rows = pack(trees[0]).num_compact
+    counts = trained_counts(trees[0])
+    step = prepare_carry_step(trees, [[(0, 0, rows // 2)], [(0, rows // 2, rows)]], model.config,
+                              torch.device("cpu"), events=events, normalizer=StepNormalizer(*counts))
+    with pytest.raises(ValueError, match=message):
+        CarryRunner(model).train_step(step, microbatch_loss)
