@@ -72,6 +72,9 @@ class CarryStep:
 
     microbatches: list[CarryMicrobatch]
     events: tuple[Event, ...]
+    null: CarryMicrobatch | None = None
+    """What an empty event runs under data parallelism (when the events hold one): a two-row microbatch that
+    links to nothing, whose forward and backward issue the collectives a real one does (FSDP2 / EP line up)."""
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -164,4 +167,10 @@ def prepare_carry_step(
         out.append(CarryMicrobatch(c.parts, c.plan, c.layout, c.links, c.scored, c.num_compact, loss))
     if events is None:
         events = [("forward", m) for m in range(len(out))] + [("backward", m) for m in reversed(range(len(out)))]
-    return CarryStep(out, _check_events(events, len(out)))
+    events = _check_events(events, len(out))
+    null = None
+    if any(slot < 0 for _, slot in events):
+        (c,) = carry_layouts({0: pack([Trajectory(np.ones(2, dtype=np.int64))])}, [[Part(0, 0, 2)]],
+                             model.chunk_size, model.conv_size, False, False, device)
+        null = CarryMicrobatch(c.parts, c.plan, c.layout, c.links, c.scored, c.num_compact)
+    return CarryStep(out, events, null)

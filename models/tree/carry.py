@@ -32,7 +32,7 @@ from models.tree.attention import tree_attention
 from models.tree.carry_layout import CarryLinks, Index
 from models.tree.mixers import TreeContext, conv_initial_state, linear_attention_states
 
-__all__ = ["NAMES", "CarryContext", "CarryExchange"]
+__all__ = ["NAMES", "CarryTraffic", "CarryContext", "CarryExchange"]
 
 #: The tensors of each kind a layer carries: full-attention keys and values; linear attention's conv inputs, core
 #: inputs (`models.linear_attention.CoreInputs` fields) and states.
@@ -45,15 +45,32 @@ def _cat(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torc
     return torch.cat([own, carried[name]]) if carried else own
 
 
+class CarryTraffic:
+    """What crosses into and out of one carry forward. `read(mixer, kind)` returns the tensors of `NAMES[kind]`
+    carried in for that mixer (empty when none); `exports` are the export rows (`CarryLinks.exports`); `exported`
+    collects, per mixer, what its forward exported.
+
+    A plain object on purpose: FSDP2 walks the dataclasses among a unit's inputs for tensors that need gradients and
+    rebuilds them (`dataclasses.replace`), so what the layers write must sit behind a reference it does not walk."""
+
+    def __init__(self, exports: dict[str, Index | tuple[int, ...]], read: Reader):
+        self.exports = exports
+        self.read = read
+        self.exported: dict[nn.Module, dict[str, torch.Tensor]] = {}
+
+
 @dataclass
 class CarryContext(TreeContext):
-    """TreeContext of a carry microbatch. `read(mixer, kind)` returns the tensors of `NAMES[kind]` carried into this
-    microbatch for that mixer (empty when none); `exports` are this microbatch's export rows (`CarryLinks.exports`);
-    `exported` collects, per mixer, what its forward exported."""
+    """TreeContext of a carry microbatch: its layers read and write `traffic`."""
 
-    exports: dict[str, Index | tuple[int, ...]] = field(default_factory=dict)
-    read: Reader = lambda mixer, kind: {}  # noqa: E731
-    exported: dict[nn.Module, dict[str, torch.Tensor]] = field(default_factory=dict)
+    traffic: CarryTraffic = field(default_factory=lambda: CarryTraffic({}, lambda mixer, kind: {}))
+
+    @property
+    def exports(self) -> dict[str, Index | tuple[int, ...]]:
+        return self.traffic.exports
+
+    def read(self, mixer: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+        return self.traffic.read(mixer, kind)
 
     def mix(self, mixer: nn.Module, h_CD: torch.Tensor) -> torch.Tensor:
         """The layer's token mixer on normed own rows `[C, D]` -> `[C, D]`, recording its exports (recomputation's
@@ -62,7 +79,7 @@ class CarryContext(TreeContext):
             out, exported = self._linear(mixer, h_CD)
         else:
             out, exported = self._attention(mixer, h_CD)
-        self.exported.setdefault(mixer, exported)
+        self.traffic.exported.setdefault(mixer, exported)
         return out
 
     def _rows(self, x: torch.Tensor, kind: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -137,15 +154,16 @@ class CarryExchange:
 
     def context(self, slot: int, layout, attention_backend) -> CarryContext:
         """The context a forward of slot `slot` runs under (`models.decoder.HybridForCausalLM.forward`)."""
-        return CarryContext(layout, attention_backend, exports=self.links[slot].exports, read=self.reader(slot))
+        return CarryContext(layout, attention_backend, CarryTraffic(self.links[slot].exports, self.reader(slot)))
 
     def keep(self, slot: int, ctx: CarryContext, loss: torch.Tensor | None) -> None:
         """After slot `slot`'s forward under `ctx`: keep its exports (and `loss` for its backward; None when scoring)
         and make the leaves its consumers read."""
-        self.open[slot] = (loss, ctx.exported)
+        exported = ctx.traffic.exported
+        self.open[slot] = (loss, exported)
         self.leaves[slot] = {
             mixer: {name: t.detach().requires_grad_(t.requires_grad) for name, t in tensors.items()}
-            for mixer, tensors in ctx.exported.items()
+            for mixer, tensors in exported.items()
         }
 
     def backward(self, slot: int) -> None:
