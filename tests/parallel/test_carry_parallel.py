@@ -1,6 +1,6 @@
-"""Prefix carry under FSDP2 over 2 CPU ranks (gloo) equals one process: each replica runs the parts of its own tree
-(one part per microbatch, empty events padding the shorter replica), with activation recomputation; the summed
-step loss and every parameter gradient match the whole step packed as one batch on the plain model
+"""Prefix carry on 2 CPU ranks (gloo) equals one process: FSDP2 (with activation recomputation), TP and EP. Each
+DP replica runs the parts of its own trees (one part per microbatch, empty events padding the shorter replica); the
+summed step loss and every parameter gradient match the whole step packed as one batch on the plain model
 (`tests.parallel.harness.reference_step`, float64)."""
 
 from __future__ import annotations
