@@ -23,9 +23,7 @@ import torch
 
 from models.config import ModelConfig
 from models.microbatch import Aggregation, LossInputs, StepNormalizer
-from models.tree.carry_layout import CarryLinks, Part, carry_layouts
-from models.tree.layout import TreeLayout
-from planner.calls import ExecutionPlan
+from models.tree.carry_layout import CarryLayout, Part, carry_layouts
 from planner.pack import pack
 from planner.trajectory import Trajectory
 
@@ -36,33 +34,12 @@ Event = tuple[str, int]
 
 
 @dataclass(eq=False)
-class CarryMicrobatch:
-    """One carry microbatch on the trainer device (the `models.microbatch.Microbatch` of prefix carry)."""
+class CarryMicrobatch(CarryLayout):
+    """One carry microbatch on the trainer device (the `models.microbatch.Microbatch` of prefix carry): what it
+    executes and its loss inputs."""
 
-    parts: tuple[Part, ...]
-    """Its parts: tree index and preorder rows [start, stop)."""
-    plan: ExecutionPlan
-    """The linear-attention plan of its own rows (external roots where a part hangs below its context)."""
-    layout: TreeLayout
-    """What every layer reads (own rows in physical order; carried rows after them where a layer reads them)."""
-    links: CarryLinks
-    """What it imports from earlier microbatches and exports to later ones."""
-    scored: list[np.ndarray]
-    """Per part: the positions of its tree's semantic arrays scored here (ascending); logprobs come in this order."""
-    num_compact: int
-    """Own compact rows C."""
     loss: LossInputs | None = None
     """Loss inputs `[S]` under the step's normalisers; None when prepared without them."""
-
-    @property
-    def num_semantic(self) -> int:
-        """Scored positions S."""
-        return sum(int(s.size) for s in self.scored)
-
-    @property
-    def linear_attention_calls(self) -> int:
-        """Packed linear-attention kernel calls per layer."""
-        return len(self.layout.linear_calls)
 
 
 @dataclass(eq=False)
@@ -164,7 +141,7 @@ def prepare_carry_step(
         if normalizer is not None:
             tokens = float(c.layout.row_weight.sum())
             loss = _loss_inputs(tree_inputs, c.parts, c.scored, tokens / max(normalizer.semantic_tokens, 1.0))
-        out.append(CarryMicrobatch(c.parts, c.plan, c.layout, c.links, c.scored, c.num_compact, loss))
+        out.append(CarryMicrobatch(c.parts, c.layout, c.links, c.plan, c.scored, c.num_compact, loss))
     if events is None:
         events = [("forward", m) for m in range(len(out))] + [("backward", m) for m in reversed(range(len(out)))]
     events = _check_events(events, len(out))
@@ -172,5 +149,5 @@ def prepare_carry_step(
     if any(slot < 0 for _, slot in events):
         (c,) = carry_layouts({0: pack([Trajectory(np.ones(2, dtype=np.int64))])}, [[Part(0, 0, 2)]],
                              model.chunk_size, model.conv_size, False, False, device)
-        null = CarryMicrobatch(c.parts, c.plan, c.layout, c.links, c.scored, c.num_compact)
+        null = CarryMicrobatch(c.parts, c.layout, c.links, c.plan, c.scored, c.num_compact)
     return CarryStep(out, events, null)

@@ -277,7 +277,8 @@ class HybridForCausalLM(nn.Module):
             out.hidden = out.hidden.view(*batch_shape, -1)
         return out
 
-    def tree_hidden_states(self, layout: TreeLayout | TreeContext, attention_backend: Backend = "dense") -> DecoderOutput:
+    def tree_hidden_states(self, layout: TreeLayout | TreeContext,
+                           attention_backend: Backend = "dense") -> DecoderOutput:
         """Final-normed hidden states `[C, D]` of the layout's physical rows and per-layer MoE statistics
         (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`. A ready
         context (a `TreeContext` subclass such as the prefix carry's `models.tree.carry.CarryContext`) runs as

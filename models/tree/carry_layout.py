@@ -90,16 +90,30 @@ class CarryLinks:
 
 @dataclass(eq=False)
 class CarryLayout:
-    """One carry microbatch: its layout (own rows in physical order, carried rows after them where a layer reads
-    them), its links, and the semantic positions it scores."""
+    """What one carry microbatch executes, on the trainer device."""
 
     parts: tuple[Part, ...]
+    """Its parts: tree index and preorder rows [start, stop)."""
     layout: TreeLayout
+    """What every layer reads (own rows in physical order; carried rows after them where a layer reads them)."""
     links: CarryLinks
+    """What it imports from earlier microbatches and exports to later ones."""
     plan: ExecutionPlan
+    """The linear-attention plan of its own rows (external roots where a part hangs below its context)."""
     scored: list[np.ndarray]
-    """Per part: the positions (indices into its tree's semantic arrays, ascending) scored here."""
+    """Per part: the positions of its tree's semantic arrays scored here (ascending); log-probs come in this order."""
     num_compact: int
+    """Own compact rows C."""
+
+    @property
+    def num_semantic(self) -> int:
+        """Scored positions S."""
+        return sum(int(s.size) for s in self.scored)
+
+    @property
+    def linear_attention_calls(self) -> int:
+        """Packed linear-attention kernel calls per layer."""
+        return len(self.layout.linear_calls)
 
 
 class _Rows:
