@@ -45,6 +45,11 @@ def _cat(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torc
     return torch.cat([own, carried[name]]) if carried else own
 
 
+def _take(x: torch.Tensor, rows: Index) -> torch.Tensor:
+    """Rows of x as a tensor of their own: an export must not keep the whole layer's tensor alive through a view."""
+    return x[rows].clone() if isinstance(rows, slice) else x[rows]
+
+
 class CarryTraffic:
     """What crosses into and out of one carry forward. `read(mixer, kind)` returns the tensors of `NAMES[kind]`
     carried in for that mixer (empty when none); `exports` are the export rows (`CarryLinks.exports`); `exported`
@@ -84,7 +89,7 @@ class CarryContext(TreeContext):
 
     def _rows(self, x: torch.Tensor, kind: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         rows = self.exports.get(kind)
-        return {} if rows is None else {name: getattr(x, name)[rows] for name in names}
+        return {} if rows is None else {name: _take(getattr(x, name), rows) for name in names}
 
     def _attention(self, mixer: nn.Module, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
@@ -106,7 +111,7 @@ class CarryContext(TreeContext):
                                             self.exports.get("state"))
         exported = {**self._rows(inputs, "replay", NAMES["replay"])}
         if "conv" in self.exports:
-            exported["conv"] = rows.qkv[self.exports["conv"]]
+            exported["conv"] = _take(rows.qkv, self.exports["conv"])
         if states is not None:
             exported["state"] = states
         return mixer.output(o, rows), exported

@@ -304,8 +304,12 @@ def carry_layouts(
     for m, rows in enumerate(locals_):
         for i, p in enumerate(rows.parts):
             owned.setdefault(p.tree, []).append((p.start, m, i))
-    owners = {t: (np.array([s for s, _, _ in sorted(v)]), [(m, i) for _, m, i in sorted(v)])
-              for t, v in owned.items()}
+    # Per tree, its parts by start: their starts, slots and the local compact row of their first rows.
+    owners = {}
+    for t, v in owned.items():
+        v.sort()
+        owners[t] = tuple(np.array(column, dtype=np.int64) for column in zip(*[
+            (start, m, int(locals_[m].offsets[i])) for start, m, i in v]))
 
     # Resolve every entry to (producer slot, producer's local compact row); collect the export requests.
     resolved: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
@@ -313,18 +317,19 @@ def carry_layouts(
     for m, (rows, need) in enumerate(zip(locals_, needs)):
         resolved.append({})
         for kind, (part, position) in need.items():
-            slot = np.empty(part.size, dtype=np.int64)
-            local = np.empty(part.size, dtype=np.int64)
-            for n, (i, t) in enumerate(zip(part.tolist(), position.tolist())):
-                r = int(rows.context[i][t])
-                starts, who = owners[rows.parts[i].tree]
-                mp, ip = who[int(np.searchsorted(starts, r, side="right")) - 1]
-                if mp == m:
+            slot, local = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+            for i in np.unique(part).tolist():
+                r = rows.context[i][position[part == i]]
+                starts, slots, firsts = owners[rows.parts[i].tree]
+                k = np.searchsorted(starts, r, side="right") - 1
+                if (slots[k] == m).any():
                     raise ValueError(
                         f"microbatch {m} holds a part of tree {rows.parts[i].tree} that reads rows of another of its "
                         "parts: parts of one tree that depend on each other go to different microbatches"
                     )
-                slot[n], local[n] = mp, int(locals_[mp].offsets[ip]) + r - locals_[mp].parts[ip].start
+                slot.append(slots[k])
+                local.append(firsts[k] + r - starts[k])
+            slot, local = np.concatenate(slot), np.concatenate(local)
             resolved[m][kind] = (slot, local)
             for mp in np.unique(slot).tolist():
                 requests[mp][kind].append(local[slot == mp])
