@@ -277,16 +277,21 @@ class HybridForCausalLM(nn.Module):
             out.hidden = out.hidden.view(*batch_shape, -1)
         return out
 
-    def tree_hidden_states(self, layout: TreeLayout, attention_backend: Backend = "dense") -> DecoderOutput:
+    def tree_hidden_states(self, layout: TreeLayout | TreeContext,
+                           attention_backend: Backend = "dense") -> DecoderOutput:
         """Final-normed hidden states `[C, D]` of the layout's physical rows and per-layer MoE statistics
-        (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`."""
+        (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`. A ready
+        context (a `TreeContext` subclass such as the prefix carry's `models.tree.carry.CarryContext`) runs as
+        given, with its own backend."""
+        ctx = layout if isinstance(layout, TreeContext) else TreeContext(layout, attention_backend)
+        layout = ctx.layout
         linear = self.config.linear_attention
         if linear is not None and linear.chunk_size != layout.chunk_size:
             raise ValueError(
                 f"the plan was made with chunk_size {layout.chunk_size} but the model's linear attention uses "
                 f"{linear.chunk_size}: plan with planner.calls.plan_calls(batch, chunk_size={linear.chunk_size})"
             )
-        return self.decode(self.model.embed_tokens(layout.tokens), TreeContext(layout, attention_backend))
+        return self.decode(self.model.embed_tokens(layout.tokens), ctx)
 
     def decode(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> DecoderOutput:
         """Both forwards after the embedding: rows `[T, D]` -> `run_layers` -> final norm, with per-layer MoE
@@ -304,15 +309,16 @@ class HybridForCausalLM(nn.Module):
             hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy
         )
 
-    def forward(self, input_ids: torch.Tensor | TreeLayout, *args, **kwargs) -> CausalLMOutput | TreeLMOutput:
+    def forward(self, input_ids: torch.Tensor | TreeLayout | TreeContext, *args,
+                **kwargs) -> CausalLMOutput | TreeLMOutput:
         """Flat: `forward(input_ids, position_ids=None, cu_seqlens=None)` -> `flat_forward`.
         Tree: `forward(layout, attention_backend="dense", chunk_rows=None, entropy=False, temperature=1.0)` ->
-        `tree_forward`.
+        `tree_forward` (a TreeContext in place of the layout: see `tree_hidden_states`).
 
         The tree form is how tree execution enters the model as a module (`models.tree.execute.tree_logprobs`), so
         that a wrapper of the root (FSDP2's unit of embeddings, final norm and LM head) sees the whole step.
         """
-        if isinstance(input_ids, TreeLayout):
+        if isinstance(input_ids, (TreeLayout, TreeContext)):
             return self.tree_forward(input_ids, *args, **kwargs)
         return self.flat_forward(input_ids, *args, **kwargs)
 
@@ -328,7 +334,7 @@ class HybridForCausalLM(nn.Module):
         return CausalLMOutput(out.hidden, out.moe_stats, out.hidden @ self.lm_head_weight.T)
 
     def tree_forward(
-        self, layout: TreeLayout, attention_backend: Backend = "dense", chunk_rows: int | None = None,
+        self, layout: TreeLayout | TreeContext, attention_backend: Backend = "dense", chunk_rows: int | None = None,
         entropy: bool = False, temperature: float = 1.0,
     ) -> TreeLMOutput:
         """`tree_hidden_states` plus `compact_logprobs` (`chunk_rows`: rows per vocabulary chunk, default ~512 MiB
@@ -336,6 +342,8 @@ class HybridForCausalLM(nn.Module):
         rollout engine sampled from: the final-normed rows `[C, D]` are divided by the temperature before the LM
         head (`hidden` of the output stays undivided)."""
         out = self.tree_hidden_states(layout, attention_backend)
+        if isinstance(layout, TreeContext):
+            layout = layout.layout
         result = self.compact_logprobs(temperature_scaled(out.hidden, temperature), layout, chunk_rows, entropy)
         logprobs, entropy_S = result if entropy else (result, None)
         return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)

@@ -120,6 +120,16 @@ class Microbatch:
     """The loss inputs under the step's normalisers; None when prepared without them (scoring, benchmarks)."""
 
     @property
+    def num_compact(self) -> int:
+        """Compact rows the microbatch executes."""
+        return self.batch.num_compact
+
+    @property
+    def num_semantic(self) -> int:
+        """Semantic positions it scores."""
+        return self.batch.num_semantic
+
+    @property
     def linear_attention_calls(self) -> int:
         """Packed linear-attention kernel calls per layer (the plan's rounds, split where a round exports states
         from inside a sequence: `models.tree.core_calls`)."""

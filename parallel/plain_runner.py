@@ -20,7 +20,7 @@ from models.decoder import DecoderLayer, HybridForCausalLM
 from models.microbatch import Microbatch
 from models.tree.attention import Backend
 from parallel.grad_norm import clip_grad_norm_
-from parallel.runner import MicrobatchLoss, StepMetrics, check_microbatches, step_metrics
+from parallel.runner import MicrobatchLoss, StepMetrics, StepSums, check_microbatches
 
 __all__ = ["PlainRunner"]
 
@@ -55,27 +55,17 @@ class PlainRunner:
                    entropy: bool = False) -> StepMetrics:
         """See `parallel.runner.StepRunner.train_step`."""
         check_microbatches(microbatches, self.dp_group, self.device)
-        extras: dict[str, torch.Tensor] = {}
-        expert_counts: list[torch.Tensor | None] = []
-        losses = []
-        forward_seconds = backward_seconds = 0.0
-        for mb in microbatches:
+        sums = StepSums()
+        for slot, mb in enumerate(microbatches):
             start = time.perf_counter()
             output = self._forward(mb, temperature, entropy)
             loss, metrics = loss_fn(output.logprobs, mb, output)
             middle = time.perf_counter()
             loss.backward()
-            forward_seconds += middle - start
-            backward_seconds += time.perf_counter() - middle
-            losses.append(loss.detach().to(torch.float64))
-            for k, v in metrics.items():
-                extras[k] = extras.get(k, 0.0) + v.detach().to(torch.float64)
-            counts = [None if s is None else s.expert_counts for s in output.moe_stats]
-            expert_counts = counts if not expert_counts else [
-                None if a is None else a + b for a, b in zip(expert_counts, counts)
-            ]
-        return step_metrics(microbatches, torch.stack(losses), {k: float(v) for k, v in extras.items()},
-                            expert_counts, forward_seconds, backward_seconds)
+            sums.forward_seconds += middle - start
+            sums.backward_seconds += time.perf_counter() - middle
+            sums.add(slot, loss, metrics, output)
+        return sums.result(microbatches)
 
     @torch.no_grad()
     def score(self, microbatches: Sequence[Microbatch], *, temperature: float = 1.0) -> list[torch.Tensor]:

@@ -8,6 +8,11 @@ every rank (made on the main rank and broadcast, or made on each: the planner is
 takes its microbatches in slot order, the replicas sum their trained-token counts into the step's
 `models.microbatch.StepNormalizer`, and each microbatch is prepared once (`models.microbatch.prepare_microbatch`):
 its layout and loss inputs serve every pass over the step (old and reference log-probs, several epochs).
+
+In prefix-carry mode (`planner.mode = "carry"`, issue #17) the plan names trees and parts of them instead
+(a CarryPlan: `trees`, `microbatches` with `parts`, `replica`, `slot`, and per replica its `events`);
+`prepare_carry_replica` prepares this replica's carry microbatches and events
+(`models.carry_microbatch.prepare_carry_step`).
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from models.carry_microbatch import CarryStep, prepare_carry_step
 from models.config import ModelConfig
 from models.microbatch import Aggregation, Microbatch, StepNormalizer, prepare_microbatch, trained_counts
 from planner.microbatch import MicrobatchPlan
 from planner.trajectory import Trajectory
 
-__all__ = ["replica_microbatches", "step_normalizer", "prepare_replica"]
+__all__ = ["replica_microbatches", "step_normalizer", "prepare_replica", "prepare_carry_replica"]
 
 
 def replica_microbatches(plan: MicrobatchPlan, trajectories: Sequence[Trajectory],
@@ -61,3 +67,28 @@ def prepare_replica(
     normalizer = step_normalizer(groups, dp_group, device)
     return [prepare_microbatch(g, model_config, device, normalizer=normalizer, aggregation=aggregation)
             for g in groups]
+
+
+def prepare_carry_replica(
+    trajectories: Sequence[Trajectory],
+    plan,
+    *,
+    dp_rank: int,
+    dp_group: dist.ProcessGroup | None,
+    model_config: ModelConfig,
+    aggregation: Aggregation,
+    device: torch.device,
+) -> CarryStep:
+    """This replica's carry microbatches of the step's CarryPlan `plan` (made over `trajectories` with the job's
+    DP degree) in slot order, and its events, with loss inputs under the step's global normalisers (a collective
+    over `dp_group`: every rank calls it)."""
+    if not 0 <= dp_rank < plan.dp:
+        raise ValueError(f"`dp_rank` {dp_rank} is outside the plan's {plan.dp} replicas: plan with the job's DP degree")
+    mine = sorted((mb for mb in plan.microbatches if mb.replica == dp_rank), key=lambda mb: mb.slot)
+    slot_of = {mb.slot: k for k, mb in enumerate(mine)}
+    trees = [[trajectories[i] for i in tree] for tree in plan.trees]
+    used = sorted({p.tree for mb in mine for p in mb.parts})
+    normalizer = step_normalizer([trees[t] for t in used], dp_group, device)
+    events = [(kind, slot_of[slot] if slot >= 0 else -1) for kind, slot in plan.events[dp_rank]]
+    return prepare_carry_step(trees, [mb.parts for mb in mine], model_config, device, events=events,
+                              normalizer=normalizer, aggregation=aggregation)

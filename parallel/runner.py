@@ -30,7 +30,7 @@ from torch import nn
 from models.decoder import DecoderLayer, TreeLMOutput
 from models.microbatch import Microbatch
 
-__all__ = ["MicrobatchLoss", "StepMetrics", "StepRunner", "check_microbatches", "step_metrics"]
+__all__ = ["MicrobatchLoss", "StepMetrics", "StepRunner", "StepSums", "check_microbatches", "step_metrics"]
 
 
 class MicrobatchLoss(Protocol):
@@ -118,10 +118,37 @@ def step_metrics(microbatches: Sequence[Microbatch], losses_K: torch.Tensor, ext
     finite_K = torch.isfinite(losses_K).cpu()
     return StepMetrics(
         loss=float(losses_K.sum()), microbatches=len(microbatches),
-        compact_rows=sum(mb.batch.num_compact for mb in microbatches),
-        semantic_tokens=sum(mb.batch.num_semantic for mb in microbatches),
+        compact_rows=sum(mb.num_compact for mb in microbatches),
+        semantic_tokens=sum(mb.num_semantic for mb in microbatches),
         linear_attention_calls=sum(mb.linear_attention_calls for mb in microbatches),
         extras=extras, expert_counts=expert_counts,
         non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
         forward_seconds=forward_seconds, backward_seconds=backward_seconds,
     )
+
+
+class StepSums:
+    """What a runner sums while it runs a replica's microbatches: each one's loss (by slot), the loss function's
+    metrics, the expert counts per layer and the host time in forward and backward."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, torch.Tensor] = {}
+        self.extras: dict[str, torch.Tensor] = {}
+        self.expert_counts: list[torch.Tensor | None] = []
+        self.forward_seconds = 0.0
+        self.backward_seconds = 0.0
+
+    def add(self, slot: int, loss: torch.Tensor, metrics: dict[str, torch.Tensor], output: TreeLMOutput) -> None:
+        """Microbatch `slot`'s loss, its metrics and its forward's router statistics."""
+        self.losses[slot] = loss.detach().to(torch.float64)
+        for k, v in metrics.items():
+            self.extras[k] = self.extras.get(k, 0.0) + v.detach().to(torch.float64)
+        counts = [None if s is None else s.expert_counts for s in output.moe_stats]
+        self.expert_counts = counts if not self.expert_counts else [
+            None if a is None else a + b for a, b in zip(self.expert_counts, counts)
+        ]
+
+    def result(self, microbatches: Sequence[Microbatch]) -> StepMetrics:
+        losses = torch.stack([self.losses[k] for k in sorted(self.losses)])
+        return step_metrics(microbatches, losses, {k: float(v) for k, v in self.extras.items()}, self.expert_counts,
+                            self.forward_seconds, self.backward_seconds)

@@ -21,6 +21,13 @@ starts from (always from an earlier round), or -1 for the zero state. Several se
 
 The no-replay ablation (replay=False) has the same structure: every segment is a sequence starting at its fork
 position (not chunk-aligned) from its parent segment's final state, num_replay = 0, one round per tree level.
+
+Prefix carry (issue #17). With external roots (`planner.segment_tree.SegmentTree.external`) a sequence may replay
+rows of an outside path and start from that path's state: `gather` entries C + i name the outside row
+(external_context[i], external_position[i]) (path id, position), and `RoundPlan.external_state` names the outside
+state (external_state_context[j], external_state_position[j]) a sequence starts from. `exported_rows` asks the
+plan for the states after some of its own rows (what a later part starts from): they become requested states,
+numbered `exported_states`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class RoundPlan:
     init_state [N_r]: global number of the initial state (see ExecutionPlan.state_offsets), -1 for zeros.
     state_seq [R_r], state_chunk [R_r]: requested states, sorted by (sequence, chunk), unique.
     segment_offsets [N_r+1], segments [G_r]: segment ids of each sequence in position order.
+    external_state [N_r]: index of the outside state the sequence starts from (ExecutionPlan.external_state_*), else
+        -1 (then init_state says where its state comes from).
     """
 
     gather: np.ndarray
@@ -61,6 +70,7 @@ class RoundPlan:
     state_chunk: np.ndarray
     segment_offsets: np.ndarray
     segments: np.ndarray
+    external_state: np.ndarray
 
     @property
     def num_sequences(self) -> int:
@@ -81,6 +91,10 @@ class ExecutionPlan:
     rounds: list of RoundPlan, one per round.
     handoff_depth [C] (compact order): state handoffs above the row's segment (its segment-tree depth; root 0).
     schedule: the segment-level CallSchedule the plan was built from.
+    external_context [X], external_position [X]: the outside rows the replay reads (gather entry C + i is row i),
+        sorted by (path, position); empty without external roots.
+    external_state_context [Y], external_state_position [Y]: the outside path states sequences start from, sorted.
+    exported_states [Z]: global numbers of the states after the `exported_rows` of `build_execution_plan`.
     Semantic positions map to physical rows by compact_to_physical[batch.sem_to_compact].
     """
 
@@ -98,17 +112,42 @@ class ExecutionPlan:
     rounds: list[RoundPlan]
     handoff_depth: np.ndarray
     schedule: CallSchedule
+    external_context: np.ndarray
+    external_position: np.ndarray
+    external_state_context: np.ndarray
+    external_state_position: np.ndarray
+    exported_states: np.ndarray
 
     @property
     def num_states(self) -> int:
         return int(self.state_offsets[-1])
 
 
-def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None = None) -> ExecutionPlan:
+def _outside_rows(tree, anchor_of_root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(path [X], position [X]) of the outside rows the external roots replay, [anchor, start) of each, sorted and
+    unique."""
+    roots = np.flatnonzero(tree.external >= 0)
+    lo, hi = anchor_of_root[roots], tree.start[roots]
+    path = np.repeat(tree.external[roots], hi - lo)
+    position = np.arange(path.size) - np.repeat(offsets(hi - lo)[:-1] - lo, hi - lo)
+    keys = np.unique(np.stack([path, position], axis=1), axis=0).reshape(-1, 2)
+    return keys[:, 0].copy(), keys[:, 1].copy()
+
+
+def _key_index(path: np.ndarray, position: np.ndarray, want_path: np.ndarray, want_position: np.ndarray) -> np.ndarray:
+    """Index of each wanted (path, position) in the sorted unique pairs (path, position)."""
+    stride = int(max(position.max(initial=0), want_position.max(initial=0))) + 1
+    return np.searchsorted(path * stride + position, want_path * stride + want_position)
+
+
+def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None = None,
+                         exported_rows: np.ndarray | None = None) -> ExecutionPlan:
     """Lay out a schedule over compact rows.
 
     seg_offsets: [G+1] int, compact rows of segment g are [seg_offsets[g], seg_offsets[g+1]) in position order
     (CompactBatch.seg_offsets). Default: segments in id order, as for a bare segment tree.
+    exported_rows: [Z] compact rows whose following state another part starts from (prefix carry); each must end
+    a chunk of its sequence (position + 1 chunk-aligned). Their states are requested (`exported_states`).
     """
     tree, B = schedule.tree, schedule.chunk_size
     G = tree.num_segments
@@ -131,10 +170,19 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
     own = np.add.reduceat(lens, schedule.seq_segment_offsets[:-1])  # [N]
     seq_row_offsets = offsets(own)
 
-    # Replay rows: the `rep` path ancestors of each sequence's first own row, in position order.
-    row_parent = np.arange(C, dtype=np.int64) - 1
+    # Replay rows: the `rep` path ancestors of each sequence's first own row, in position order. Rows C + i are the
+    # outside rows of external roots (each one's parent is the one before it on its path).
+    ext_path, ext_position = _outside_rows(tree, schedule.seq_anchor[schedule.seg_sequence])
+    X = ext_path.size
+    row_parent = np.arange(C + X, dtype=np.int64) - 1
+    if X:
+        follows = np.r_[False, (ext_path[1:] == ext_path[:-1]) & (ext_position[1:] == ext_position[:-1] + 1)]
+        row_parent[C:] = np.where(follows, row_parent[C:], -1)
     first_rows = seg_offsets[:-1]
     row_parent[first_rows] = np.where(tree.parent >= 0, seg_offsets[tree.parent + 1] - 1, -1)
+    ext_roots = np.flatnonzero((tree.external >= 0) & (tree.start > schedule.seq_anchor[schedule.seg_sequence]))
+    row_parent[first_rows[ext_roots]] = C + _key_index(ext_path, ext_position, tree.external[ext_roots],
+                                                       tree.start[ext_roots] - 1)
     rep = schedule.seq_replay
     rep_offsets = offsets(rep)
     replay_rows = np.empty(int(rep_offsets[-1]), dtype=np.int64)
@@ -150,7 +198,7 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
     is_output = np.ones(gather.size, dtype=bool)
     gather[np.arange(C) + np.repeat(block_offsets[:-1] + rep - seq_row_offsets[:-1], own)] = np.arange(C)
     replay_at = np.arange(replay_rows.size) + np.repeat(block_offsets[:-1] - rep_offsets[:-1], rep)
-    gather[replay_at] = compact_to_physical[replay_rows]
+    gather[replay_at] = np.r_[compact_to_physical, C + np.arange(X)][replay_rows]
     is_output[replay_at] = False
 
     # Requested states: (producer sequence, chunk), unique, numbered in (producer, chunk) order = round order.
@@ -164,12 +212,25 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
     assert (at_boundary | at_end).all() and (offset_in_seq > 0).all(), "a requested state is not a chunk boundary"
     assert (seq_round[producers] < seq_round[consumers]).all(), "a state is consumed before its round returns"
     chunk = -(-offset_in_seq // B)
-    stride = int(chunk.max(initial=0)) + 1
-    keys, state_of_consumer = np.unique(producers * stride + chunk, return_inverse=True)
+    export_seq, export_chunk = _export_requests(schedule, seg_offsets, exported_rows)
+    stride = int(max(chunk.max(initial=0), export_chunk.max(initial=0))) + 1
+    keys, state_of_request = np.unique(
+        np.r_[producers * stride + chunk, export_seq * stride + export_chunk], return_inverse=True
+    )
+    state_of_consumer, exported_states = np.split(state_of_request.reshape(-1), [consumers.size])
     state_producer, state_chunk = keys // stride, keys % stride
     state_offsets = np.searchsorted(seq_round[state_producer], np.arange(num_rounds + 1)).astype(np.int64)
     init_state = np.full(N, -1, dtype=np.int64)
-    init_state[consumers] = state_of_consumer.reshape(-1)
+    init_state[consumers] = state_of_consumer
+
+    # Outside states: sequences without a source under an external path, anchored after its start.
+    outside = (schedule.seq_source < 0) & (schedule.seq_context >= 0) & (schedule.seq_anchor > 0)
+    state_keys = np.unique(np.stack([schedule.seq_context[outside], schedule.seq_anchor[outside]], axis=1),
+                           axis=0).reshape(-1, 2)
+    state_path, state_position = state_keys[:, 0].copy(), state_keys[:, 1].copy()
+    external_state = np.full(N, -1, dtype=np.int64)
+    external_state[outside] = _key_index(state_path, state_position, schedule.seq_context[outside],
+                                         schedule.seq_anchor[outside])
 
     round_seq_offsets = np.searchsorted(seq_round, np.arange(num_rounds + 1)).astype(np.int64)
     rounds = []
@@ -190,6 +251,7 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
                 state_chunk=state_chunk[k0:k1],
                 segment_offsets=schedule.seq_segment_offsets[s0 : s1 + 1] - g0,
                 segments=segs[g0:g1],
+                external_state=external_state[s0:s1],
             )
         )
     return ExecutionPlan(
@@ -207,7 +269,32 @@ def build_execution_plan(schedule: CallSchedule, seg_offsets: np.ndarray | None 
         rounds=rounds,
         handoff_depth=np.repeat(tree.depth, seg_len),
         schedule=schedule,
+        external_context=ext_path,
+        external_position=ext_position,
+        external_state_context=state_path,
+        external_state_position=state_position,
+        exported_states=exported_states.astype(np.int64),
     )
+
+
+def _export_requests(schedule: CallSchedule, seg_offsets: np.ndarray,
+                     exported_rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence [Z], chunk [Z]) of the states after `exported_rows`: the chunk of its sequence each row ends."""
+    rows = np.zeros(0, dtype=np.int64) if exported_rows is None else np.asarray(exported_rows, dtype=np.int64)
+    tree = schedule.tree
+    if rows.size and (rows.min() < 0 or rows.max() >= seg_offsets[-1]):
+        raise ValueError(f"`exported_rows` must be compact rows in [0, {seg_offsets[-1]}), got {rows.tolist()}")
+    seg = np.searchsorted(seg_offsets, rows, side="right") - 1
+    seq = schedule.seg_sequence[seg]
+    offset = tree.start[seg] + rows - seg_offsets[seg] + 1 - schedule.seq_anchor[seq]
+    bad = np.flatnonzero(offset % schedule.chunk_size != 0)
+    if bad.size:
+        r = int(rows[bad[0]])
+        raise ValueError(
+            f"exported row {r}: the state after it is not at a chunk boundary of its sequence (position + 1 must be "
+            f"a multiple of the chunk size {schedule.chunk_size})"
+        )
+    return seq, offset // schedule.chunk_size
 
 
 def plan_segment_tree(tree: SegmentTree, chunk_size: int = 64, *, replay: bool = True) -> ExecutionPlan:

@@ -93,7 +93,8 @@ def direct_children(tree: SegmentTree, chunk_size: int, t_pre: np.ndarray, t_in:
 
 
 def mandatory_replay(tree: SegmentTree, chunk_size: int) -> int:
-    """R = sum over internal v of (|ch(v)| - 1) * (e_v mod B) (HARTS eq. 15), independent of the direct children."""
+    """R = sum over internal v of (|ch(v)| - 1) * (e_v mod B) (HARTS eq. 15), independent of the direct children,
+    plus s_r mod B for every external root r (it replays its outside path's rows [a(s_r), s_r))."""
     B = check_chunk_size(chunk_size)
     n_children = np.diff(tree.child_offsets)
-    return int(np.sum(np.maximum(n_children - 1, 0) * (tree.end % B)))
+    return int(np.sum(np.maximum(n_children - 1, 0) * (tree.end % B)) + np.sum(tree.start[tree.roots] % B))

@@ -12,6 +12,10 @@ earlier sequence `source_seq`:
   (chunk (b - anchor_P)/B of P) and u runs one round after P. Every sequence takes its earliest legal round.
 - without replay (the fidelity ablation, HARTS §5.4 "No-replay"): every segment is its own sequence, starting at its
   fork position from its parent segment's final state, one round per tree level.
+
+An external root (`SegmentTree.external`, prefix carry) forking from an outside path at p starts its sequence at
+a(p) (p without replay) from that path's state there, replaying the path's rows [a(p), p): such a sequence has no
+source sequence, and its state comes from outside unless its anchor is 0 (`seq_context`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class CallSchedule:
     seq_replay [N]: replayed ancestor positions, start[first segment] - anchor.
     seq_source [N]: sequence that produces the initial state, -1 for the zero state.
     seq_source_position [N]: position of that state on the path (= seq_anchor), -1 for the zero state.
+    seq_context [N]: the external path (`SegmentTree.external`) above the sequence's segments, -1 for none; a
+        sequence with seq_source -1 starts from that path's state at seq_anchor (zeros at anchor 0 or without one).
     """
 
     tree: SegmentTree
@@ -54,6 +60,7 @@ class CallSchedule:
     seq_replay: np.ndarray
     seq_source: np.ndarray
     seq_source_position: np.ndarray
+    seq_context: np.ndarray
 
     @property
     def num_sequences(self) -> int:
@@ -112,19 +119,20 @@ def schedule_sequences(tree: SegmentTree, chunk_size: int, direct_child, *, repl
     kids, offs = tree.children.tolist(), tree.child_offsets.tolist()
     end, dc = tree.end.tolist(), direct.tolist()
     # Sequences in discovery order (sorted by round, first segment at the end): first segment, anchor, round,
-    # source sequence, source position, chain of segments.
-    first, anchor, rnd, src, src_pos = [], [], [], [], []
+    # source sequence, source position, external path, chain of segments.
+    first, anchor, rnd, src, src_pos, context = [], [], [], [], [], []
     chains: list[list[int]] = []
 
-    def add(seg: int, at: int, round_: int, source: int, position: int) -> None:
+    def add(seg: int, at: int, round_: int, source: int, position: int, path: int) -> None:
         first.append(seg)
         anchor.append(at)
         rnd.append(round_)
         src.append(source)
         src_pos.append(position)
+        context.append(path)
 
     for r in tree.roots.tolist():
-        add(r, 0, 0, -1, -1)
+        add(r, (int(tree.start[r]) // B) * B if replay else int(tree.start[r]), 0, -1, -1, int(tree.external[r]))
     n = 0
     while n < len(first):
         chain = []
@@ -136,9 +144,9 @@ def schedule_sequences(tree: SegmentTree, chunk_size: int, direct_child, *, repl
                     continue
                 b = (end[v] // B) * B if replay else end[v]
                 if b == anchor[n]:  # the state sequence n started from (eq. 11): same source, same round
-                    add(u, b, rnd[n], src[n], src_pos[n])
+                    add(u, b, rnd[n], src[n], src_pos[n], context[n])
                 else:
-                    add(u, b, rnd[n] + 1, n, b)
+                    add(u, b, rnd[n] + 1, n, b, context[n])
             if dc[v] < 0:
                 break
             v = dc[v]
@@ -169,6 +177,7 @@ def schedule_sequences(tree: SegmentTree, chunk_size: int, direct_child, *, repl
         seq_replay=tree.start[segments[seg_offsets[:-1]]] - anchor_arr,
         seq_source=src_arr,
         seq_source_position=np.asarray(src_pos, dtype=np.int64)[perm],
+        seq_context=np.asarray(context, dtype=np.int64)[perm],
     )
 
 

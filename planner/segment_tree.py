@@ -4,6 +4,10 @@ Legend: G segments. Segment g covers positions [start[g], end[g]) of every path 
 child starts where its parent ends (start[child] = end[parent] is the fork position p). Several roots = several
 independent trees. A CompactBatch gives one directly (`SegmentTree.from_batch`); the segment-tree JSON of
 `python -m planner calls` gives one from token counts (`segment_tree_from_json`).
+
+External roots (prefix carry, issue #17): the rows of one part of a larger tree may hang below rows executed
+elsewhere. A root with `external[g] = c >= 0` continues the path c outside the tree: it starts at its fork position
+p > 0, and its parent is that path's row at position p - 1.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class SegmentTree:
         parent: [G] int, parent segment or -1 for a root.
         start, end: [G] int, position interval [start, end) of each segment (end > start).
         names: optional [G] labels used in error messages and by the CLI (default: the segment index).
+        external: optional [G] int, for a root that continues a path outside the tree the id (>= 0) of that path,
+            else -1 (default: all -1, every root starts at 0).
     Derived:
         child_offsets [G+1], children [G - num_roots]: children of g are children[child_offsets[g]:child_offsets[g+1]],
             in increasing segment id (the fixed child order of Algorithm 1's recovery).
@@ -46,6 +52,7 @@ class SegmentTree:
     start: np.ndarray
     end: np.ndarray
     names: Sequence[Hashable] | None = None
+    external: np.ndarray | None = None
     child_offsets: np.ndarray = field(init=False)
     children: np.ndarray = field(init=False)
     order: np.ndarray = field(init=False)
@@ -77,7 +84,18 @@ class SegmentTree:
                 f"segment {self.name(g)}: needs at least one token, got [start, end) = [{self.start[g]}, {self.end[g]})"
             )
         roots = self.parent < 0
-        bad = np.flatnonzero(roots & (self.start != 0))
+        if self.external is None:
+            self.external = np.full(G, -1, dtype=np.int64)
+        self.external = _int_array("external", self.external)
+        if self.external.size != G:
+            raise ValueError(f"`external` must have one entry per segment ({G}), got {self.external.size}")
+        bad = np.flatnonzero((self.external >= 0) & (~roots | (self.start == 0)))
+        if bad.size:
+            g = int(bad[0])
+            raise ValueError(
+                f"segment {self.name(g)}: only a root that starts after position 0 can continue an external path"
+            )
+        bad = np.flatnonzero(roots & (self.external < 0) & (self.start != 0))
         if bad.size:
             g = int(bad[0])
             raise ValueError(f"root segment {self.name(g)} must start at position 0, got {self.start[g]}")

@@ -34,17 +34,20 @@ Backend = Literal["dense", "flex", "branch"]
 class TreeAttentionLayout:
     """O(C) visibility metadata plus the branch views, on one device.
 
-    pre [C]: preorder rank of each physical row; pre_end [C]: exclusive end of its subtree in preorder ranks, so row k
-    is an ancestor-or-self of row q iff pre[k] <= pre[q] < pre_end[k].
+    pre [C + P]: preorder rank of each physical row; pre_end [C + P]: exclusive end of its subtree in preorder ranks,
+    so row k is an ancestor-or-self of row q iff pre[k] <= pre[q] < pre_end[k].
     kv_index [A]: physical rows of the branch views, branch after branch (the branches own consecutive physical rows;
     each view holds the branch's ancestors root-first, then its own rows).
     groups: the branches split into consecutive kernel calls of bounded view rows (`branch_groups`).
+    context_rows: P, key/value rows after the C physical rows that are no queries: the ancestors executed in earlier
+        parts (prefix carry); the keys and values are then `[C + P]`, the queries `[C]`.
     """
 
     pre: torch.Tensor
     pre_end: torch.Tensor
     kv_index: torch.Tensor
     groups: list[BranchGroup]
+    context_rows: int = 0
     _block_mask: object = field(default=None, init=False, repr=False)
 
     def block_mask(self):
@@ -58,18 +61,20 @@ class TreeAttentionLayout:
             def visible(b, h, q_idx, kv_idx):
                 return (pre[kv_idx] <= pre[q_idx]) & (pre[q_idx] < end[kv_idx])
 
-            C = pre.shape[0]
-            self._block_mask = create_block_mask(visible, None, None, C, C, device=pre.device, _compile=pre.is_cuda)
+            rows = pre.shape[0]
+            self._block_mask = create_block_mask(visible, None, None, rows - self.context_rows, rows, device=pre.device,
+                                                 _compile=pre.is_cuda)
         return self._block_mask
 
     def dense_mask(self) -> torch.Tensor:
-        """Boolean [C, C]: visible[q, k]."""
-        pre_q = self.pre[:, None]
+        """Boolean [C, C + P]: visible[q, k]."""
+        pre_q = self.pre[: self.pre.shape[0] - self.context_rows, None]
         return (self.pre[None, :] <= pre_q) & (pre_q < self.pre_end[None, :])
 
     def to(self, device) -> "TreeAttentionLayout":
         return TreeAttentionLayout(
-            self.pre.to(device), self.pre_end.to(device), self.kv_index.to(device), [g.to(device) for g in self.groups]
+            self.pre.to(device), self.pre_end.to(device), self.kv_index.to(device), [g.to(device) for g in self.groups],
+            self.context_rows,
         )
 
 
@@ -121,8 +126,8 @@ def tree_attention(
 
     Args:
         q_CHK: [C, H, K] queries (already normed and rotated at the rows' original positions).
-        k_CGK: [C, G, K] keys, G divides H.
-        v_CGV: [C, G, V] values.
+        k_CGK: [C + P, G, K] keys (P = layout.context_rows carried ancestor rows after the physical ones), G divides H.
+        v_CGV: [C + P, G, V] values.
         layout: the microbatch's TreeAttentionLayout.
         scale: softmax scale.
         backend: "dense" (reference), "flex" or "branch" (see the module docstring).

@@ -9,9 +9,10 @@ whole chunks, starts from the final state of piece j-1, and its own final state 
 Call j of a round packs piece j of every sequence that has one. Exact, fp32 states, gradients through the kernel's
 own initial/final-state support; cost: 1 + (most cuts in one sequence) calls for the round instead of one.
 
-States live in one table, in the order they are produced: entry 0 is the zero state, then the final states of call 0
-(one per sequence), of call 1, ... A call names its sequences' initial states by table index. Everything here is
-computed once per microbatch, so running a layer needs no host synchronisation.
+States live in one table, in the order they are produced: entry 0 is the zero state, then the plan's outside states
+(prefix carry: `ExecutionPlan.external_state_*`, entries 1..Y), then the final states of call 0 (one per sequence),
+of call 1, ... A call names its sequences' initial states by table index. Everything here is computed once per
+microbatch, so running a layer needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from planner.calls import ExecutionPlan, RoundPlan
 from planner.index_arrays import offsets
 
-__all__ = ["CoreCall", "core_calls"]
+__all__ = ["CoreCall", "core_calls", "core_calls_and_exports"]
 
 
 @dataclass(eq=False)
@@ -59,7 +60,11 @@ def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], sta
             cuts[s].append(c)
     edges = [[0, *(c * chunk for c in sorted(set(cs))), int(lengths[s])] for s, cs in enumerate(cuts)]
     # State of sequence s at its chunk c, as a table index (filled as the pieces are assigned to calls).
-    state_at = [{0: table_of_global[int(rd.init_state[s])] if rd.init_state[s] >= 0 else 0} for s in range(n_seq)]
+    state_at = [
+        {0: 1 + int(rd.external_state[s]) if rd.external_state[s] >= 0
+            else table_of_global[int(rd.init_state[s])] if rd.init_state[s] >= 0 else 0}
+        for s in range(n_seq)
+    ]
     calls = []
     for j in range(max(len(e) - 1 for e in edges)):
         seqs = [s for s in range(n_seq) if len(edges[s]) - 1 > j]
@@ -86,8 +91,14 @@ def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], sta
 def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray]:
     """All kernel calls of the plan, in order, and `keep` [C]: the position of each physical row's kept output in the
     calls' concatenated rows (replay positions appear in no entry)."""
+    calls, keep, _ = core_calls_and_exports(plan)
+    return calls, keep
+
+
+def core_calls_and_exports(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray, np.ndarray]:
+    """`core_calls` and the table index of each of the plan's `exported_states` ([Z] int64)."""
     table_of_global: dict[int, int] = {}
-    table_size = 1
+    table_size = 1 + plan.external_state_context.size
     calls: list[CoreCall] = []
     for r, rd in enumerate(plan.rounds):
         round_calls, table_size = _round_calls(
@@ -101,4 +112,5 @@ def core_calls(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndarray]:
         keep[c.gather[c.output_pos]] = start + c.output_pos
         start += c.gather.size
     assert sum(c.output_pos.size for c in calls) == C and (keep >= 0).all(), "calls must output every physical row once"
-    return calls, keep
+    exported = np.array([table_of_global[int(g)] for g in plan.exported_states], dtype=np.int64)
+    return calls, keep, exported

@@ -18,7 +18,8 @@ from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
-__all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows"]
+__all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows",
+           "row_reader"]
 
 
 def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
@@ -93,7 +94,7 @@ def conv_context_rows(
     return out
 
 
-def _gather(index: np.ndarray, rows: int, device) -> RowGather | slice | None:
+def row_reader(index: np.ndarray, rows: int, device) -> RowGather | slice | None:
     """Reading rows `index` of a source of `rows` rows: None when that is the whole source in order, a slice (a view)
     when it is one contiguous increasing range, else a `RowGather`."""
     if index.size and np.array_equal(index, np.arange(index[0], index[0] + index.size)):
@@ -162,22 +163,39 @@ class TreeLayout:
         """From a packed microbatch and its planner.calls.ExecutionPlan; conv_size W of the linear-attention layers."""
         p2c = plan.physical_to_compact
         c2p = plan.compact_to_physical
-        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
-        calls, keep = core_calls(plan)
-        gather = np.concatenate([c.gather for c in calls])
         logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)
+        return TreeLayout.assemble(
+            plan, core_calls(plan), batch.tokens[p2c], batch.positions[p2c], batch.multiplicity[p2c],
+            conv_context_rows(batch, p2c, c2p, plan.seq_row_offsets, conv_size),
+            build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets, device), logit_row, batch.sem_tokens,
+            device,
+        )
+
+    @staticmethod
+    def assemble(
+        plan, calls: tuple[list[CoreCall], np.ndarray], tokens: np.ndarray, positions: np.ndarray,
+        multiplicity: np.ndarray, conv_context: np.ndarray, attention: TreeAttentionLayout, logit_row: np.ndarray,
+        target: np.ndarray, device=None, carried_replay_rows: int = 0,
+    ) -> "TreeLayout":
+        """The layout's tensors from host arrays: the plan with its kernel calls and kept outputs
+        (`models.tree.core_calls`), per physical row [C] token, position and multiplicity, conv_context [N, W-1],
+        the attention layout, per position [S] logit row (physical, -1 none) and target. The calls read
+        `carried_replay_rows` rows after the C physical ones (prefix carry's replay rows)."""
+        calls, keep = calls
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        gather = np.concatenate([c.gather for c in calls])
         return TreeLayout(
-            tokens=as_t(batch.tokens[p2c]),
-            positions=as_t(batch.positions[p2c]),
-            row_weight=torch.as_tensor(batch.multiplicity[p2c], dtype=torch.float64, device=device),
+            tokens=as_t(tokens),
+            positions=as_t(positions),
+            row_weight=torch.as_tensor(multiplicity, dtype=torch.float64, device=device),
             seq_cu=as_t(plan.seq_row_offsets),
-            conv_context=as_t(conv_context_rows(batch, p2c, c2p, plan.seq_row_offsets, conv_size)),
+            conv_context=as_t(conv_context),
             linear_calls=[CoreCallTensors.build(c, device) for c in calls],
-            linear_gather=_gather(gather, p2c.size, device),
+            linear_gather=row_reader(gather, tokens.size + carried_replay_rows, device),
             linear_call_rows=[int(c.gather.size) for c in calls],
-            linear_keep=_gather(keep, gather.size, device),
-            attention=build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets, device),
+            linear_keep=row_reader(keep, gather.size, device),
+            attention=attention,
             logit_row=as_t(logit_row),
-            target=as_t(batch.sem_tokens),
+            target=as_t(target),
             chunk_size=plan.chunk_size,
         )

@@ -28,17 +28,18 @@ from models.tree.attention import Backend, tree_attention
 from models.tree.layout import TreeLayout
 from models.tree.row_gather import RowGather
 
-__all__ = ["TreeContext", "linear_attention_rounds", "tree_linear_mixer", "tree_attention_mixer"]
+__all__ = ["TreeContext", "linear_attention_rounds", "linear_attention_states", "tree_linear_mixer",
+           "tree_attention_mixer", "read_rows", "conv_initial_state"]
 
 
-def _conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
+def conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
     """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1).
     Reads only the N x (W-1) context rows (no padded copy of x)."""
     ctx_NWX = torch.where((context_NW >= 0)[..., None], x_CX[context_NW.clamp(min=0)], 0.0)
     return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
 
 
-def _read(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
+def read_rows(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
     """Rows of x as a layout names them (None: all, in order)."""
     return x if rows is None else x[rows] if isinstance(rows, slice) else rows(x)
 
@@ -50,11 +51,24 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
     `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A call
     stacks only the states it starts from (concatenating the whole table per call would copy it 14 times a layer on
     a SWE tree)."""
+    return linear_attention_states(mixer, inputs, layout)[0]
+
+
+def linear_attention_states(
+    mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout, outside: torch.Tensor | None = None,
+    exported: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear_attention_rounds` with the prefix carry's states: `outside` `[Y, HV, K, V]` (fp32) are the table's
+    entries 1..Y (states of paths executed in earlier parts), `exported` the Z table indices of the states to return
+    (`models.tree.core_calls.core_calls_and_exports`). Returns (o `[C, HV, V]`, states `[Z, HV, K, V]` or None).
+    `inputs` holds the rows `layout.linear_gather` reads (the physical rows, then the carried replay rows)."""
     state_dtype = upcast(inputs.v.dtype)
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
+    if outside is not None:
+        table.extend(outside.unbind(0))
     outputs = []
-    pieces = [_read(t, layout.linear_gather).split(layout.linear_call_rows)
+    pieces = [read_rows(t, layout.linear_gather).split(layout.linear_call_rows)
               for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
     for i, call in enumerate(layout.linear_calls):
         h0 = None if call.init_state is None else torch.stack([table[s] for s in call.init_state])
@@ -62,13 +76,14 @@ def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: 
         o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
         outputs.append(o)
         table.extend(final.to(state_dtype).unbind(0))
-    return _read(torch.cat(outputs) if len(outputs) > 1 else outputs[0], layout.linear_keep)
+    o = read_rows(torch.cat(outputs) if len(outputs) > 1 else outputs[0], layout.linear_keep)
+    return o, torch.stack([table[i] for i in exported]) if exported else None
 
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
     rows = mixer.project(h_CD)
-    init = _conv_initial_state(rows.qkv, layout.conv_context)
+    init = conv_initial_state(rows.qkv, layout.conv_context)
     qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
     o = linear_attention_rounds(mixer, mixer.activate(rows, qkv_CX), layout)
     return mixer.output(o, rows)

@@ -55,3 +55,37 @@ def test_prepared_replica_covers_the_step_once_with_its_loss_inputs():
     trained = sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajectories)
     assert sum(float(mb.loss.token_weight.sum()) for mb in mbs) == pytest.approx(1.0)
     assert sum(int(mb.loss.trained.sum()) for mb in mbs) == trained
+
+
+def test_prepared_carry_replica_takes_its_parts_in_slot_order():
+    """A CarryPlan-shaped plan over two replicas: each replica gets its trees' parts in slot order and its events
+    with slots renumbered."""
+    from types import SimpleNamespace
+
+    from parallel.replica import prepare_carry_replica
+
+    config = small_config("tiny-qwen3-next")
+    trajectories = step_trajectories(config, trees=2)
+    trees = [tuple(i for i, t in enumerate(trajectories) if t.tree == name)
+             for name in dict.fromkeys(t.tree for t in trajectories)]
+    rows = [pack([trajectories[i] for i in tree]).num_compact for tree in trees]
+    part = lambda tree, start, stop: SimpleNamespace(tree=tree, start=start, stop=stop)  # noqa: E731
+    microbatches = [
+        SimpleNamespace(parts=(part(0, 20, rows[0]),), replica=0, slot=3),
+        SimpleNamespace(parts=(part(0, 0, 20),), replica=0, slot=1),
+        SimpleNamespace(parts=(part(1, 0, rows[1]),), replica=1, slot=1),
+    ]
+    events = [[("forward", 1), ("forward", 3), ("backward", 3), ("backward", 1)],
+              [("forward", 1), ("forward", -1), ("backward", -1), ("backward", 1)]]
+    plan = SimpleNamespace(trees=tuple(trees), microbatches=tuple(microbatches), capacity=200, dp=2,
+                           events=tuple(map(tuple, events)))
+    steps = [prepare_carry_replica(trajectories, plan, dp_rank=r, dp_group=None, model_config=config,
+                                   aggregation="token-mean", device=torch.device("cpu")) for r in range(2)]
+    assert [[(p.start, p.stop) for p in mb.parts] for mb in steps[0]] == [[(0, 20)], [(20, rows[0])]]
+    assert steps[0].events == (("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0))
+    assert steps[1].events == (("forward", 0), ("forward", -1), ("backward", -1), ("backward", 0))
+    # Without a DP group each replica normalises over its own trees: token-mean weights sum to 1 per replica.
+    for step, tree in zip(steps, trees):
+        assert sum(float(mb.loss.token_weight.sum()) for mb in step) == pytest.approx(1.0)
+        assert sum(float(mb.loss.trained.sum()) for mb in step) == sum(
+            trajectories[i].loss_mask[1:].sum() for i in tree)
