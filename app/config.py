@@ -126,6 +126,12 @@ class PlannerConfig:
     chunk_size: int | None = None
     """Linear-attention chunk size B the call planner aligns replay to (HARTS §3.3); unset = the model's. A value
     that differs from the model's is an error."""
+    mode: Literal["duplicate", "carry", "auto"] = "auto"
+    """How a tree larger than a microbatch is planned (planner/step_plan.py): "duplicate" (HARTS: whole trajectories
+    per microbatch, shared prefixes executed again in each), "carry" (trees cut into parts of at most `capacity`
+    rows that read their ancestors' keys, values and states from earlier microbatches: every unique row once; paths
+    longer than `capacity` train), "auto" (carry for the trees where the cost model predicts it cheaper, the HARTS
+    plan when no tree needs it). Pipeline parallelism runs "duplicate" only."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -273,16 +279,25 @@ class JobConfig:
                 f"`model.hf_path`: {self.model.hf_path} is not a Hugging Face checkpoint (no config.json)"
             )
         if self.job.kind == "rl":
+            self._check_planner()
+
+    def _check_planner(self) -> None:
+        if self.planner.mode != "duplicate" and self.parallel.pp > 1:
+            raise ConfigError(
+                f"`planner.mode` = {self.planner.mode!r} with `parallel.pp` = {self.parallel.pp}: pipeline stages do not "
+                "carry prefixes across microbatches; set planner.mode = 'duplicate' or pp = 1"
+            )
+        if self.planner.mode == "duplicate":
             self._check_capacity()
 
     def _check_capacity(self) -> None:
-        """Every path of a rollout tree must fit one microbatch: the engine stops a path at `max_model_len` tokens,
-        and the environment may append one observation of up to `max_env_tokens` after it."""
+        """In duplicate mode every path of a rollout tree must fit one microbatch: the engine stops a path at
+        `max_model_len` tokens, and the environment may append one observation of up to `max_env_tokens` after it."""
         r = self.rollout
         longest = r.max_model_len + r.max_env_tokens
         if self.planner.capacity < longest:
             raise ConfigError(
                 f"`planner.capacity` = {self.planner.capacity} is shorter than the longest possible path: "
                 f"rollout.max_model_len ({r.max_model_len}) + rollout.max_env_tokens ({r.max_env_tokens}) = {longest} "
-                f"tokens; raise planner.capacity to at least {longest} or lower those"
+                f"tokens; raise planner.capacity to at least {longest}, lower those, or set planner.mode = 'carry'"
             )

@@ -3,7 +3,7 @@
 Rank 0 is the main rank: it runs the rollout engine, builds the trees, computes advantages and plans the step's
 microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every rank.
 Every rank then trains its DP replica's microbatches (`parallel.replica.prepare_replica`) with its step runner:
-`parallel.plain_runner.PlainRunner` on the model wrapped by `parallel.parallelize_for_job` (TP / EP, activation
+`parallel.carry_runner.CarryRunner` (prefix-carry steps, and plain microbatch lists as `PlainRunner`) on the model wrapped by `parallel.parallelize_for_job` (TP / EP, activation
 checkpointing, compile, FSDP2), or with `parallel.pp` > 1 (torch >= 2.14) `parallel.pipeline_runner.PipelineRunner`
 on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a replica holds the replica's
 microbatches).
@@ -33,7 +33,7 @@ from parallel.checkpoint import build_optimizers
 from parallel.launch import DistributedJob, parallelize_for_job
 from parallel.pipeline import pipeline_for_job
 from parallel.pipeline_runner import PipelineRunner
-from parallel.plain_runner import PlainRunner
+from parallel.carry_runner import CarryRunner
 from parallel.runner import StepRunner
 
 __all__ = ["DistributedTrainer"]
@@ -53,7 +53,7 @@ class DistributedTrainer(Trainer):
         self._open_checkpoints(c)
         self.full_copy = copy.deepcopy(model) if self.is_main else None
         wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if job.config.pp > 1
-                                    else (parallelize_for_job, PlainRunner))
+                                    else (parallelize_for_job, CarryRunner))
         self.attention_backend = c.train.attention_backend
         # The KL reference is wrapped now, like the policy; it is the policy's copy once RL begins (freeze_reference).
         self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None

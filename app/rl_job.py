@@ -51,11 +51,14 @@ from app.trainer import LocalTrainer
 from app.tree_picture import render_tree
 from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors, save_hf
+from models.carry_microbatch import CarryStep
 from models.microbatch import Microbatch
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.replica import prepare_replica
+from parallel.replica import prepare_planned
 from parallel.runner import StepMetrics
-from planner.microbatch import MicrobatchPlan, plan_microbatches
+from planner.carry import CarryPlan
+from planner.microbatch import MicrobatchPlan
+from planner.step_plan import plan_step
 from planner.trajectory import Trajectory
 from rollout import EngineError, EnvironmentOutputError, build_trees, demonstration_tree
 from rollout.tree import RolloutTree
@@ -89,7 +92,7 @@ class SharedBatch:
     and the main rank's scalars of the rollout."""
 
     trajectories: list[Trajectory]
-    plan: MicrobatchPlan
+    plan: MicrobatchPlan | CarryPlan
     planner_seconds: float
     scalars: dict[str, float] = field(default_factory=dict)
 
@@ -211,16 +214,19 @@ class _Job:
     def _planned(self, trajectories: list[Trajectory], scalars: dict[str, float] | None = None) -> SharedBatch:
         """(main rank) The step's microbatch plan for the job's D replicas."""
         start = time.perf_counter()
-        plan = plan_microbatches(trajectories, self.config.planner.capacity, self.trainer.dp)
+        p = self.config.planner
+        plan = plan_step(trajectories, p.capacity, self.trainer.dp, p.mode)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
-    def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch]:
-        """This replica's microbatches of the step, with their loss inputs."""
+    def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch] | CarryStep:
+        """This replica's microbatches of the step (carry microbatches and their events under a CarryPlan), with
+        their loss inputs."""
         t = self.trainer
-        return prepare_replica(shared.trajectories, shared.plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
+        return prepare_planned(shared.trajectories, shared.plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
                                model_config=t.model.config, aggregation=aggregation, device=t.device)
 
-    def _update(self, microbatches: list[Microbatch], loss_fn, lr: float, temperature: float, label: str) -> Update:
+    def _update(self, microbatches: list[Microbatch] | CarryStep, loss_fn, lr: float, temperature: float,
+                label: str) -> Update:
         """One forward/backward over the step and an optimizer step; a non-finite loss or norm skips it."""
         t = self.trainer
         t.set_lr(lr)

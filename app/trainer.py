@@ -34,7 +34,7 @@ from app.config import JobConfig
 from app.folder_lock import FolderLock
 from models.decoder import HybridForCausalLM
 from parallel.checkpoint import TrainingState
-from parallel.plain_runner import PlainRunner
+from parallel.carry_runner import CarryRunner
 from parallel.ranks import share
 from parallel.runner import StepRunner
 
@@ -175,8 +175,8 @@ class LocalTrainer(Trainer):
         self.attention_backend = c.train.attention_backend
         self.runner = self._runner_for(self.model)
 
-    def _runner_for(self, model: nn.Module) -> PlainRunner:
-        return PlainRunner(model, attention_backend=self.attention_backend)
+    def _runner_for(self, model: nn.Module) -> CarryRunner:
+        return CarryRunner(model, attention_backend=self.attention_backend)
 
     def policy(self) -> HybridForCausalLM:
         return self.model

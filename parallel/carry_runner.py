@@ -13,6 +13,9 @@ Under data parallelism every replica runs the same kinds of events in the same o
 FSDP2's gathers and reduce-scatters and EP's all-to-alls line up; an empty event (slot -1) runs the step's null
 microbatch with a zero loss (its forward and backward issue the same collectives). In one process empty events run
 nothing.
+
+It runs a duplicate plan's microbatches (a list of `models.microbatch.Microbatch`) as `PlainRunner` does, so a
+trainer holds one runner whatever `planner.mode` made the step.
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ class CarryRunner(PlainRunner):
 
     def train_step(self, microbatches: CarryStep, loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
                    entropy: bool = False) -> StepMetrics:
-        """Forward and backward of the step's microbatches in the order of `microbatches.events`."""
+        """Forward and backward of the step's microbatches in the order of `microbatches.events` (a list of
+        microbatches: `PlainRunner.train_step`)."""
+        if not isinstance(microbatches, CarryStep):
+            return super().train_step(microbatches, loss_fn, temperature=temperature, entropy=entropy)
         step = microbatches
         self._check_events(step)
         exchange = CarryExchange([mb.links for mb in step])
@@ -94,7 +100,10 @@ class CarryRunner(PlainRunner):
 
     @torch.no_grad()
     def score(self, microbatches: CarryStep, *, temperature: float = 1.0) -> list[torch.Tensor]:
-        """`[S]` float64 log-probs of every microbatch (slot order): the forward events in order, without a graph."""
+        """`[S]` float64 log-probs of every microbatch (slot order): the forward events in order, without a graph (a
+        list of microbatches: `PlainRunner.score`)."""
+        if not isinstance(microbatches, CarryStep):
+            return super().score(microbatches, temperature=temperature)
         step = microbatches
         self._check_events(step)
         exchange = CarryExchange([mb.links for mb in step])

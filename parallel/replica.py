@@ -12,7 +12,7 @@ its layout and loss inputs serve every pass over the step (old and reference log
 In prefix-carry mode (`planner.mode = "carry"`, issue #17) the plan names trees and parts of them instead
 (a CarryPlan: `trees`, `microbatches` with `parts`, `replica`, `slot`, and per replica its `events`);
 `prepare_carry_replica` prepares this replica's carry microbatches and events
-(`models.carry_microbatch.prepare_carry_step`).
+(`models.carry_microbatch.prepare_carry_step`). `prepare_planned` takes either plan (`planner.step_plan.plan_step`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import torch.distributed as dist
 from models.carry_microbatch import CarryStep, prepare_carry_step
 from models.config import ModelConfig
 from models.microbatch import Aggregation, Microbatch, StepNormalizer, prepare_microbatch, trained_counts
+from planner.carry import CarryPlan
 from planner.microbatch import MicrobatchPlan
 from planner.trajectory import Trajectory
 
-__all__ = ["replica_microbatches", "step_normalizer", "prepare_replica", "prepare_carry_replica"]
+__all__ = ["replica_microbatches", "step_normalizer", "prepare_replica", "prepare_carry_replica", "prepare_planned"]
 
 
 def replica_microbatches(plan: MicrobatchPlan, trajectories: Sequence[Trajectory],
@@ -92,3 +93,11 @@ def prepare_carry_replica(
     events = [(kind, slot_of[slot] if slot >= 0 else -1) for kind, slot in plan.events[dp_rank]]
     return prepare_carry_step(trees, [mb.parts for mb in mine], model_config, device, events=events,
                               normalizer=normalizer, aggregation=aggregation)
+
+
+def prepare_planned(trajectories: Sequence[Trajectory], plan: MicrobatchPlan | CarryPlan, **kwargs
+                    ) -> list[Microbatch] | CarryStep:
+    """`prepare_carry_replica` for a CarryPlan, `prepare_replica` for a MicrobatchPlan (same keyword arguments);
+    `parallel.carry_runner.CarryRunner` runs either result."""
+    prepare = prepare_carry_replica if isinstance(plan, CarryPlan) else prepare_replica
+    return prepare(trajectories, plan, **kwargs)

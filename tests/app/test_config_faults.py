@@ -145,7 +145,7 @@ def test_rl_job_rejects_trajectories(tmp_path, capsys):
         (["--train.betas=[0.9, 1.0]"], "`train.betas` must be two values in [0, 1), got [0.9, 1.0]"),
         (["--rollout.vllm.dtype=fp8"], "`rollout.vllm.dtype` must be one of 'bfloat16', 'float16', 'half', "
                                        "'float32', 'float', 'auto', got 'fp8'"),
-        (["--planner.capacity=40"], "`planner.capacity` = 40 is shorter than the longest possible path: "
+        (["--planner.capacity=40", "--planner.mode=duplicate"], "`planner.capacity` = 40 is shorter than the longest possible path: "
                                     "rollout.max_model_len (40) + rollout.max_env_tokens (8) = 48 tokens"),
         (["--rollout.max_model_len=8"], "`rollout.max_model_len` = 8 is too short for environment 'coin': a solved "
                                         "episode (prompt to last answer of its demonstrations) takes 14-14 tokens"),
@@ -215,7 +215,8 @@ def test_context_too_short_for_some_tasks_warns(tmp_path):
 def test_sft_demonstration_longer_than_capacity(tmp_path):
     with pytest.raises(ConfigError, match=r"`planner.capacity` = 18 is shorter than an SFT demonstration of "
                                           r"environment 'prompt' \(22 tokens\)"):
-        episodes(tmp_path, "PromptEnv", "--rollout.max_model_len=10", "--planner.capacity=18")
+        episodes(tmp_path, "PromptEnv", "--rollout.max_model_len=10", "--planner.capacity=18",
+                 "--planner.mode=duplicate")
 
 
 def test_sft_needs_demonstrations(tmp_path):

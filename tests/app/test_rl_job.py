@@ -192,3 +192,19 @@ def test_ppo_epochs_with_kl_reference_resume_to_the_same_parameters(tmp_path):
     kl = {e.step: e.value for e in events(tmp_path / "a").Scalars("train/kl")}
     # The first RL step starts at the reference (KL exactly 0); two epochs later the policy has moved.
     assert kl[3] == 0.0 and kl[4] > 0.0
+
+
+def test_carry_mode_trains_paths_longer_than_a_microbatch_to_the_same_parameters(tmp_path):
+    """planner.mode = "carry" at a capacity below the longest path (duplicate mode refuses it) cuts the trees into
+    parts that read their ancestors from earlier microbatches; in float64 the job reaches the parameters of the
+    duplicate-mode job (per-microbatch MoE balance loss off: it depends on how a step is split)."""
+    common = ["--model.dtype=float64", "--train.moe_aux_loss_coef=0", "--train.steps=2", "--checkpoint.interval=0"]
+    (tmp_path / "dup").mkdir()
+    (tmp_path / "carry").mkdir()
+    assert main([str(write_job(tmp_path / "dup")), *common, "--planner.mode=duplicate"]) == 0
+    assert main([str(write_job(tmp_path / "carry")), *common, "--planner.mode=carry", "--planner.capacity=12"]) == 0
+    dup, carry = (Checkpointer(tmp_path / name / "ck").load()["model"] for name in ("dup", "carry"))
+    assert dup.keys() == carry.keys()
+    for k in dup:
+        scale = dup[k].abs().max().item() + 1e-30
+        assert (dup[k] - carry[k]).abs().max().item() <= 1e-9 * max(scale, 1.0), k

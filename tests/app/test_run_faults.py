@@ -56,7 +56,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_resumes_exactly(tmp_path, uni
 
 
 def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkeypatch, uninterrupted):
-    prepare = app.rl_job.prepare_replica
+    prepare = app.rl_job.prepare_planned
     calls = []
 
     def crash_in_rl_step_2(*args, **kwargs):
@@ -65,7 +65,7 @@ def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkey
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(app.rl_job, "prepare_replica", crash_in_rl_step_2)
+    monkeypatch.setattr(app.rl_job, "prepare_planned", crash_in_rl_step_2)
     config = write_job(tmp_path)
     assert main([str(config), "--checkpoint.interval=0"]) == 1
     out = capsys.readouterr().out
