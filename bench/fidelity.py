@@ -12,6 +12,15 @@ advantages, max over parameters of ||g_tree - g_flat|| / ||g_flat||, |MoE aux lo
 full-vocabulary logit cosine (HARTS eq. 27), and per state-handoff depth the mean symmetric KL and mean |delta NLL|
 (eqs. 24-26). With `--oracle`, the same metrics of (1), (2) and (4) against the same weights run flat in float64
 (the question behind them: is tree execution less accurate than trajectory-wise execution?).
+
+`--mode carry --capacity T` adds (5) prefix carry (issue #17): `planner.carry.plan_carry` cuts the trees into parts
+over microbatches of at most T compact rows (one replica), `parallel.replica.prepare_carry_replica` prepares them
+and `parallel.carry_runner.CarryRunner` runs them in the plan's event order; the top-level metrics are then carry's
+(Arbor's single microbatch stays as the column "arbor"), with the same loss: the MoE aux loss of the whole step's
+pooled router statistics, split into per-microbatch terms that are linear in each microbatch's statistics given the
+step's expert counts and row weights (taken from a first carry pass, not timed), so loss and gradients are those of
+the trajectory-wise objective. Depth = the handoff depth of the single-microbatch plan. `--per-layer` compares one
+tree microbatch's layers and is skipped in carry mode.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
+from parallel.carry_runner import CarryRunner
+from parallel.replica import prepare_carry_replica
+from planner.carry import CarryPlan, plan_carry
 from planner.jsonl import read_jsonl
 from planner.pack import CompactBatch, pack
 
@@ -139,6 +151,78 @@ def tree_run(model, trajectories, device, replay: bool, backend: str) -> tuple[R
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     _sync(device)
     return Run(lp.detach(), loss.detach(), aux.detach(), grads, logits, time.perf_counter() - start), mb
+
+
+def carry_positions(batch: CompactBatch, plan: CarryPlan, step) -> list[np.ndarray]:
+    """Per carry microbatch, the positions of `batch` (the whole step packed) that its log-probs `[S_mb]` score."""
+    offsets = batch.traj_offsets
+    tree_map = [np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in tree]) for tree in plan.trees]
+    return [np.concatenate([tree_map[p.tree][s] for p, s in zip(mb.parts, mb.scored)]) for mb in step]
+
+
+def carry_run(model, trajectories, batch: CompactBatch, capacity: int, device, backend: str
+              ) -> tuple[Run, CarryPlan]:
+    """Prefix carry over microbatches of at most `capacity` rows, with `objective`'s loss over the whole step: the
+    policy term of each microbatch's positions plus 0.01 x its share of the step's aux loss, `E sum_e count_e
+    mass_e / tokens^2 + z_sum / tokens` with the step's counts and tokens (a first pass) and its own mass and z_sum."""
+    plan = plan_carry(trajectories, capacity, 1)
+    runner = CarryRunner(model, attention_backend=backend)
+    normalizer = float(np.sum(batch.loss_mask))
+    adv = torch.as_tensor(batch.advantage, dtype=torch.float64, device=device)
+    mask = torch.as_tensor(batch.loss_mask, dtype=torch.float64, device=device)
+
+    def prepare():
+        step = prepare_carry_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                                     aggregation="token-mean", device=device)
+        index = {id(mb): torch.as_tensor(i, device=device) for mb, i in zip(step, carry_positions(batch, plan, step))}
+        return step, index
+
+    step, index = prepare()
+    totals = []
+
+    def count(logprobs, mb, output):
+        p = pooled_stats(output.moe_stats)
+        if p is not None:
+            totals.append((p.tokens.detach(), p.expert_counts.detach()))
+        return 0.0 * logprobs.sum(), {}
+
+    runner.train_step(step, count)
+    model.zero_grad(set_to_none=True)
+    tokens = sum(t for t, _ in totals) if totals else None
+    counts = sum(c for _, c in totals) if totals else None
+    S = batch.num_semantic
+    lp_all = torch.zeros(S, dtype=torch.float64, device=device)
+    rows_all = torch.zeros(S, dtype=torch.int64, device=device)
+    hidden, aux, base = [], [], 0
+
+    def loss_fn(logprobs, mb, output):
+        nonlocal base
+        i = index[id(mb)]
+        lp = logprobs.double()
+        loss = -(adv[i] * mask[i] * lp).sum() / max(normalizer, 1.0)
+        p = pooled_stats(output.moe_stats)
+        if p is not None:
+            E = p.prob_mass.shape[0]
+            share = (E * (counts * p.prob_mass).sum() / tokens**2 + p.z_sum / tokens).double()
+            aux.append(share.detach())
+            loss = loss + 0.01 * share
+        lp_all[i] = lp.detach()
+        valid = mb.layout.logit_row >= 0
+        rows_all[i] = torch.where(valid, mb.layout.logit_row + base, torch.zeros_like(mb.layout.logit_row))
+        hidden.append(output.hidden.detach())
+        base += output.hidden.shape[0]
+        return loss, {}
+
+    start = time.perf_counter()
+    step, index = prepare()
+    result = runner.train_step(step, loss_fn)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    logits = semantic_logits_fn(torch.cat(hidden), rows_all, model.lm_head_weight)
+    aux_total = sum(aux) if aux else torch.zeros((), dtype=torch.float64)
+    return Run(lp_all, torch.tensor(result.loss, dtype=torch.float64), aux_total, grads, logits, seconds), plan
 
 
 def float64_run(model, batch: CompactBatch, device) -> Run:
@@ -271,17 +355,27 @@ def run(args) -> dict:
     # Handoff depth of the row whose logits predict each position (the previous position's row).
     depth = mb.plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
     measure("arbor", arbor)
+    primary = "arbor"
+    if args.mode == "carry":
+        carried, plan = carry_run(model, trajectories, batch, args.capacity, device, args.attention)
+        measure("carry", carried)
+        primary = "carry"
     measure("no_replay", tree_run(model, trajectories, device, False, args.attention)[0])
     measure("flat_rerun", flat_run(model, batch, device))
     measure("flat_repacked", flat_run(model, batch, device, reverse=True))
     ref.grads = None
     oracle = float64_run(model, batch, device) if args.oracle else None
-    if args.per_layer:
+    per_layer = args.per_layer and args.mode == "tree"
+    if per_layer:
         divergence = per_layer_divergence(model, mb, args.attention, device)
+    elif args.per_layer:
+        print("note: --per-layer skipped: it compares one tree microbatch's layer outputs (run it with --mode tree)",
+              file=sys.stderr)
     result = {
         "model": args.hf or args.model,
         "device": args.device,
         "dtype": args.dtype,
+        "mode": args.mode,
         "chunk_size": chunk,
         "recompute": args.recompute,
         "trajectories": source,
@@ -291,17 +385,24 @@ def run(args) -> dict:
         "num_rounds": mb.plan.num_rounds,
         "total_replay": mb.plan.total_replay,
         "max_handoff_depth": int(mb.plan.handoff_depth.max()),
-        **metrics["arbor"],
+        **metrics[primary],
         **{name: metrics[name] for name in ("flat_rerun", "flat_repacked", "no_replay")},
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),
     }
-    if args.per_layer:
+    if args.mode == "carry":
+        result["arbor"] = metrics["arbor"]
+        result["carry"] = {
+            "capacity": args.capacity, "microbatches": len(plan.microbatches),
+            "parts": sum(len(m.parts) for m in plan.microbatches), "trees": len(plan.trees),
+            "executed_rows": plan.total_compact_tokens, "trie_rows": plan.trie_compact_tokens,
+            "max_context_rows": plan.max_context_rows, "max_open_microbatches": plan.max_open_microbatches,
+        }
+    if per_layer:
         result["per_layer_not_bitwise"] = divergence
     if oracle is not None:
-        result["vs_float64"] = {
-            name: compare(oracle, r, depth, valid, targets)
-            for name, r in (("flat", ref), ("arbor", runs["arbor"]), ("flat_repacked", runs["flat_repacked"]))
-        }
+        compared = [("flat", ref), *((n, runs[n]) for n in dict.fromkeys(("arbor", primary))),
+                    ("flat_repacked", runs["flat_repacked"])]
+        result["vs_float64"] = {name: compare(oracle, r, depth, valid, targets) for name, r in compared}
     return result
 
 
@@ -309,13 +410,21 @@ def print_table(r: dict) -> None:
     print(f"{r['model']} on {r['device']} in {r['dtype']}, chunk {r['chunk_size']}, recompute {r['recompute']}")
     print(f"{r['num_trajectories']} trajectories, S={r['semantic_tokens']}, C={r['compact_tokens']}, "
           f"{r['num_rounds']} rounds, replay {r['total_replay']}, handoff depth <= {r['max_handoff_depth']}")
+    primary = "carry" if r["mode"] == "carry" else "arbor"
+    if primary == "carry":
+        c = r["carry"]
+        print(f"carry: capacity {c['capacity']}, {c['trees']} trees in {c['parts']} parts over {c['microbatches']} "
+              f"microbatches, executed rows {c['executed_rows']} (trie {c['trie_rows']}), context <= "
+              f"{c['max_context_rows']} rows, <= {c['max_open_microbatches']} microbatches open")
     keys = ["logprob_max_abs_diff", "loss_abs_diff", "grad_max_rel_diff", "moe_aux_abs_diff", "mean_logit_cosine"]
     def cell(d, k):
         if d[k] is None:
             return f"{'-':>14}"
         return f"{d[k]:>14.8f}" if k == "mean_logit_cosine" else f"{d[k]:>14.4e}"
 
-    columns = {"vs flat": {"arbor": r, **{n: r[n] for n in ("no_replay", "flat_rerun", "flat_repacked")}}}
+    others = ("arbor", "no_replay", "flat_rerun", "flat_repacked") if primary == "carry" else (
+        "no_replay", "flat_rerun", "flat_repacked")
+    columns = {"vs flat": {primary: r, **{n: r[n] for n in others}}}
     if "vs_float64" in r:
         columns["vs float64 flat"] = r["vs_float64"]
     for title, runs in columns.items():
@@ -323,12 +432,14 @@ def print_table(r: dict) -> None:
         for k in keys:
             print(f"{k:<24}" + "".join(cell(d, k) for d in runs.values()))
     floor = r["flat_rerun"]["mean_logit_cosine"] - 1e-5
-    print(f"tree-vs-flat cosine {r['mean_logit_cosine']:.8f} vs flat rerun's minus 1e-5 ({floor:.8f}): "
+    label = "carry" if primary == "carry" else "tree"
+    print(f"{label}-vs-flat cosine {r['mean_logit_cosine']:.8f} vs flat rerun's minus 1e-5 ({floor:.8f}): "
           + ("not lower" if r["mean_logit_cosine"] >= floor else "LOWER"))
-    runs = {"arbor": r, "no_replay": r["no_replay"], "repacked": r["flat_repacked"]}
+    runs = {primary: r, **({"arbor": r["arbor"]} if primary == "carry" else {}), "no_replay": r["no_replay"],
+            "repacked": r["flat_repacked"]}
     if "vs_float64" in r:
-        runs.update({"flat|f64": r["vs_float64"]["flat"], "arbor|f64": r["vs_float64"]["arbor"]})
-    print(f"{'depth':<8}" + "".join(f"{'symkl ' + n:>18}" for n in runs) + f"{'|dNLL| arbor':>14}")
+        runs.update({"flat|f64": r["vs_float64"]["flat"], f"{primary}|f64": r["vs_float64"][primary]})
+    print(f"{'depth':<8}" + "".join(f"{'symkl ' + n:>18}" for n in runs) + f"{'|dNLL| ' + primary:>14}")
     for d in r["symkl_by_depth"]:
         print(f"{d:<8}" + "".join(f"{x['symkl_by_depth'].get(d, float('nan')):>18.3e}" for x in runs.values())
               + f"{r['mean_abs_dnll_by_depth'][d]:>14.3e}")
@@ -360,8 +471,15 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=5, help="nested forks per generated tree")
     parser.add_argument("--tail", type=int, default=None, help="new tokens per generated branch (default: one chunk)")
     parser.add_argument("--trees", type=int, default=1, help="generated trees")
+    parser.add_argument("--mode", default="tree", choices=["tree", "carry"],
+                        help="tree: Arbor as one microbatch; carry: also prefix carry over microbatches of --capacity")
+    parser.add_argument("--capacity", type=int, default=None, help="compact rows per carry microbatch (--mode carry)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
+        parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
+    if args.mode == "tree" and args.capacity is not None:
+        parser.error("--capacity splits trees over carry microbatches: add --mode carry (or drop --capacity)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     if args.oracle and args.dtype == "float64":

@@ -1,18 +1,25 @@
-"""Tree vs trajectory-wise training speed on one device (HARTS §5.3, Table 4).
+"""Tree vs trajectory-wise training speed on one device (HARTS §5.3, Table 4), with and without prefix carry.
 
     python -m bench.speed --model ling-3-tiny --dtype bfloat16 --device cuda --scale 0.05 --capacity 65536
 
-One process, one model (random init), full-layer activation recomputation, the same kernels in both modes:
-- baseline: trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit in input
-  order, no sharing), flat packed varlen forward, log-probs, loss, backward;
-- Arbor: the prefix-aware microbatch plan (capacity = compact tokens), then per microbatch
-  `models.microbatch.prepare_microbatch` (pack -> minimum-call plan -> TreeLayout, as every trainer rank does) ->
-  tree forward -> mapped log-probs -> the same loss -> backward.
-F/B/Grad time = everything after the microbatch plan except the optimizer (incl. Arbor's per-microbatch
-preparation); Core adds Arbor's microbatch planner. Both modes accumulate gradients over all their
-microbatches. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression ~1.2). The `auto`
-mode runs each Arbor microbatch as a tree when a linear cost model fitted to this run's own measurements predicts
-that faster than its flat expansion, and packs the trajectories of all other microbatches flat like the baseline.
+One process, one model (random init), full-layer activation recomputation, the same kernels in every mode
+(`--modes`, default all three, timed one after the other in one run):
+- flat (the baseline): trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit
+  in input order, no sharing), flat packed varlen forward, log-probs, loss, backward;
+- duplicate (Arbor's HARTS plan; "tree" in the table and the JSON): the prefix-aware microbatch plan (capacity =
+  compact tokens; a tree larger than a microbatch executes its shared prefix in each of its microbatches), then per
+  microbatch `models.microbatch.prepare_microbatch` (pack -> minimum-call plan -> TreeLayout, as every trainer rank
+  does) -> tree forward -> mapped log-probs -> the same loss -> backward;
+- carry (issue #17): `planner.carry.plan_carry` (parts of at most `capacity` rows, every unique row once), then
+  `parallel.replica.prepare_carry_replica` and `parallel.carry_runner.CarryRunner.train_step` with the same loss
+  (policy term over the trained positions and the same balance term of each microbatch's MoE statistics). Its
+  events interleave microbatches, so a carry pass is timed as a whole (its fastest pass counts).
+F/B/Grad time = everything after the microbatch plan except the optimizer (incl. the per-microbatch preparation);
+Core adds Arbor's microbatch planner. Every mode accumulates gradients over all its microbatches; peak memory
+(cuda) is each mode's own. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression
+~1.2). The `auto` mode (when flat and duplicate run) runs each duplicate-plan microbatch as a tree when a linear cost
+model fitted to this run's own measurements predicts that faster than its flat expansion, and packs the
+trajectories of all other microbatches flat like the baseline.
 """
 
 from __future__ import annotations
@@ -33,12 +40,17 @@ from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
+from parallel.carry_runner import CarryRunner
+from parallel.replica import prepare_carry_replica
+from planner.carry import plan_carry
 from planner.cost_model import CostModel
 from planner.microbatch import plan_microbatches
 from planner.trajectory import Trajectory
 
 #: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
 PEAK_FLOPS = {"cuda": 989e12}
+#: What `--modes` may name, in the order they run; "duplicate" is reported under "tree".
+MODES = ("flat", "duplicate", "carry")
 
 
 def low_sharing_step(seed: int, paths: int, length: int, vocab: int) -> list[Trajectory]:
@@ -117,6 +129,20 @@ def tree_step(model, trajectories, device, normalizer, backend) -> Microbatch:
     return mb
 
 
+def carry_step(model, trajectories, plan, device, normalizer, runner: CarryRunner):
+    """One carry pass: this (only) replica's carry microbatches prepared, then run in the plan's event order with
+    `loss_of`'s loss (advantages and trained positions from each microbatch's loss inputs)."""
+    step = prepare_carry_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                                 aggregation="token-mean", device=device)
+
+    def loss_fn(logprobs, mb, output):
+        adv, trained = (x.to(logprobs.dtype) for x in (mb.loss.advantage, mb.loss.trained))
+        return loss_of(logprobs, trained, adv, output.moe_stats, normalizer), {}
+
+    runner.train_step(step, loss_fn)
+    return step
+
+
 def view_rows(mb: Microbatch) -> int:
     """Rows of the gathered ancestor views of the microbatch's full attention."""
     return int(mb.layout.attention.kv_index.numel())
@@ -140,18 +166,26 @@ def tree_pairs(batch) -> float:
     return float((batch.positions.astype(np.float64) + 1).sum())
 
 
-def run_workload(name, trajectories, model, args, device) -> dict:
+def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     rng = np.random.default_rng(args.seed)
     for t in trajectories:
         t.advantage = rng.normal(size=len(t))
     S = sum(len(t) for t in trajectories)
     normalizer = float(S)
+    modes = args.modes
 
-    # Arbor's microbatch plan (charged to Core only).
-    start = time.perf_counter()
-    mplan = plan_microbatches(trajectories, args.capacity, 1)
-    plan_seconds = time.perf_counter() - start
-    groups = [list(mb.trajectories) for mb in mplan.microbatches]
+    # The microbatch plans (charged to Core only).
+    plan_seconds = carry_plan_seconds = None
+    if "duplicate" in modes:
+        start = time.perf_counter()
+        mplan = plan_microbatches(trajectories, args.capacity, 1)
+        plan_seconds = time.perf_counter() - start
+        groups = [list(mb.trajectories) for mb in mplan.microbatches]
+    if "carry" in modes:
+        start = time.perf_counter()
+        cplan = plan_carry(trajectories, args.capacity, 1)
+        carry_plan_seconds = time.perf_counter() - start
+        runner = CarryRunner(model, attention_backend=args.attention)
     flat_groups = first_fit_flat(trajectories, args.capacity)
 
     def run_flat(group):
@@ -159,10 +193,11 @@ def run_workload(name, trajectories, model, args, device) -> dict:
 
     results = {}
     per_mb = {}
-    for mode in ("flat", "tree"):
+    for mode in modes:
         # Every microbatch shape is run once untimed first: Triton autotunes per shape, and a first pass would
         # charge that to whichever mode has more distinct microbatches (measured: 21 s first vs 4.5 s later).
-        # Then `repeat` timed passes; each microbatch counts with its fastest pass (run-to-run noise is ~3%).
+        # Then `repeat` timed passes; each microbatch counts with its fastest pass (run-to-run noise is ~3%); a carry
+        # pass counts as one unit (its events interleave microbatches).
         passes = []
         for timed_pass in range(args.warmup + args.repeat):
             model.zero_grad(set_to_none=True)
@@ -173,56 +208,74 @@ def run_workload(name, trajectories, model, args, device) -> dict:
                 for g in flat_groups:
                     dt, _ = timed(lambda: run_flat(g), device)
                     times.append(dt)
-            else:
+            elif mode == "duplicate":
                 for g in groups:
                     sub = [trajectories[i] for i in g]
                     dt, mb = timed(lambda: tree_step(model, sub, device, normalizer, args.attention), device)
                     times.append(dt)
                     mbs.append(mb)
+            else:
+                dt, step = timed(lambda: carry_step(model, trajectories, cplan, device, normalizer, runner), device)
+                times.append(dt)
+                mbs = list(step)
             if timed_pass >= args.warmup:
                 passes.append(times)
         times = [min(ts) for ts in zip(*passes)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         per_mb[mode] = (times, mbs)
-        results[mode] = {"seconds": sum(times), "microbatches": len(times), "peak_gib": peak}
-        print(f"{name} {mode}: {len(times)} microbatches, {sum(times):.2f} s "
+        key = "tree" if mode == "duplicate" else mode
+        count = len(mbs) if mode == "carry" else len(times)
+        results[key] = {"seconds": sum(times), "microbatches": count, "peak_gib": peak}
+        print(f"{name} {mode}: {count} microbatches, {sum(times):.2f} s "
               f"({', '.join(f'{t:.2f}' for t in times)})", file=sys.stderr, flush=True)
+    model.zero_grad(set_to_none=True)
 
-    mbs = per_mb["tree"][1]
-    batches = [mb.batch for mb in mbs]
-    C = sum(b.num_compact for b in batches)
-    attention_flat = flat_pairs(trajectories)
-    attention_tree = sum(tree_pairs(b) for b in batches)
-    flops_token = 6 * active_params(model)
-    peak_flops = PEAK_FLOPS.get(device.type)
-    fbg = results["flat"]["seconds"] / results["tree"]["seconds"]
-    core = results["flat"]["seconds"] / (results["tree"]["seconds"] + plan_seconds)
-
-    state = {"groups": groups, "batches": batches, "trajectories": trajectories, "normalizer": normalizer,
-             "flat_samples": [(sum(len(trajectories[i]) for i in g), t)
-                              for g, t in zip(flat_groups, per_mb["flat"][0])],
-             "tree_samples": [(mb.batch.num_compact, view_rows(mb), t) for mb, t in zip(mbs, per_mb["tree"][0])]}
-    return {
-        "workload": name,
-        "trajectories": len(trajectories),
-        "semantic_tokens": S,
-        "compact_tokens": C,
-        "compression": S / C,
-        "attention_compression": attention_flat / attention_tree,
-        "replay_tokens": int(sum(mb.plan.total_replay for mb in mbs)),
-        "rounds_max": int(max(mb.plan.num_rounds for mb in mbs)),
-        "attention_view_rows": sum(view_rows(mb) for mb in mbs),
-        "planning_seconds": plan_seconds,
-        "flat": results["flat"],
-        "tree": results["tree"],
-        "fbg_speedup": fbg,
-        "fbg_over_compression": fbg / (S / C),
-        "core_speedup": core,
-        "flat_tokens_per_s": S / results["flat"]["seconds"],
-        "tree_semantic_tokens_per_s": S / results["tree"]["seconds"],
-        "flat_mfu": flops_token * S / results["flat"]["seconds"] / peak_flops if peak_flops else None,
-        "tree_mfu_compact": flops_token * C / results["tree"]["seconds"] / peak_flops if peak_flops else None,
-    }, state
+    flat_s = results["flat"]["seconds"] if "flat" in results else None
+    row = {"workload": name, "trajectories": len(trajectories), "semantic_tokens": S}
+    state = {"trajectories": trajectories, "normalizer": normalizer}
+    if "duplicate" in modes:
+        mbs = per_mb["duplicate"][1]
+        batches = [mb.batch for mb in mbs]
+        C = sum(b.num_compact for b in batches)
+        tree_s = results["tree"]["seconds"]
+        flops_token = 6 * active_params(model)
+        peak_flops = PEAK_FLOPS.get(device.type)
+        fbg = flat_s / tree_s if flat_s is not None else None
+        row.update({
+            "compact_tokens": C,
+            "compression": S / C,
+            "attention_compression": flat_pairs(trajectories) / sum(tree_pairs(b) for b in batches),
+            "replay_tokens": int(sum(mb.plan.total_replay for mb in mbs)),
+            "rounds_max": int(max(mb.plan.num_rounds for mb in mbs)),
+            "attention_view_rows": sum(view_rows(mb) for mb in mbs),
+            "planning_seconds": plan_seconds,
+        })
+        state.update({"groups": groups, "batches": batches,
+                      "tree_samples": [(mb.batch.num_compact, view_rows(mb), t)
+                                       for mb, t in zip(mbs, per_mb["duplicate"][0])]})
+    if "flat" in modes:
+        row["flat"] = results["flat"]
+        row["flat_tokens_per_s"] = S / flat_s
+        state["flat_samples"] = [(sum(len(trajectories[i]) for i in g), t)
+                                 for g, t in zip(flat_groups, per_mb["flat"][0])]
+    if "duplicate" in modes:
+        row.update({
+            "tree": results["tree"],
+            "fbg_speedup": fbg,
+            "fbg_over_compression": fbg / (S / C) if fbg is not None else None,
+            "core_speedup": flat_s / (tree_s + plan_seconds) if flat_s is not None else None,
+            "tree_semantic_tokens_per_s": S / tree_s,
+            "flat_mfu": flops_token * S / flat_s / peak_flops if peak_flops and flat_s is not None else None,
+            "tree_mfu_compact": flops_token * C / tree_s / peak_flops if peak_flops else None,
+        })
+    if "carry" in modes:
+        executed = sum(mb.num_compact for mb in per_mb["carry"][1])
+        carry_s = results["carry"]["seconds"]
+        row["carry"] = {**results["carry"], "executed_rows": executed, "trie_rows": cplan.trie_compact_tokens,
+                        "executed_over_trie": executed / cplan.trie_compact_tokens,
+                        "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s}
+        row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
+    return row, state
 
 
 def fit_cost_model(states: list[dict]) -> dict:
@@ -268,32 +321,65 @@ def run_auto(state: dict, cost: dict, model, args, device) -> dict:
             "seconds": seconds}
 
 
+def _cell(value, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" where a skipped mode left it out."""
+    return "-" if value is None else format(value, spec)
+
+
 def print_table(rows: list[dict], header: dict) -> None:
+    recompute = "on" if header["recompute"] else "off"
     print(f"model {header['model']} ({header['active_params'] / 1e6:.0f}M active params/token), {header['dtype']} "
-          f"on {header['device_name']}, capacity {header['capacity']}, recompute on, attention {header['attention']}")
-    cols = ["workload", "S", "C", "compr", "attn cmp", "flat s", "tree s", "plan s", "F/B/G x", "x/compr", "Core x",
-            "flat GiB", "tree GiB", "flat MFU", "auto x"]
+          f"on {header['device_name']}, capacity {header['capacity']}, recompute {recompute}, attention "
+          f"{header['attention']}, modes {','.join(header['modes'])}")
+    cols = ["workload", "S", "C", "compr", "attn cmp", "flat s", "tree s", "carry s", "plan s", "F/B/G x", "x/compr",
+            "Core x", "carry x", "exec/trie", "flat GiB", "tree GiB", "carry GiB", "flat MFU", "auto x"]
     print(" ".join(f"{c:>9}" for c in cols))
     for r in rows:
-        vals = [r["workload"], f"{r['semantic_tokens']:,}", f"{r['compact_tokens']:,}", f"{r['compression']:.2f}",
-                f"{r['attention_compression']:.2f}", f"{r['flat']['seconds']:.2f}", f"{r['tree']['seconds']:.2f}",
-                f"{r['planning_seconds']:.2f}",
-                f"{r['fbg_speedup']:.2f}", f"{r['fbg_over_compression']:.2f}", f"{r['core_speedup']:.2f}",
-                f"{r['flat']['peak_gib']:.1f}", f"{r['tree']['peak_gib']:.1f}",
-                f"{r['flat_mfu']:.3f}" if r["flat_mfu"] is not None else "-", f"{r['auto']['speedup']:.2f}"]
+        flat, tree, carry, auto = (r.get(k, {}) for k in ("flat", "tree", "carry", "auto"))
+        vals = [r["workload"], f"{r['semantic_tokens']:,}", _cell(r.get("compact_tokens"), ","),
+                _cell(r.get("compression"), ".2f"), _cell(r.get("attention_compression"), ".2f"),
+                _cell(flat.get("seconds"), ".2f"), _cell(tree.get("seconds"), ".2f"),
+                _cell(carry.get("seconds"), ".2f"), _cell(r.get("planning_seconds"), ".2f"),
+                _cell(r.get("fbg_speedup"), ".2f"), _cell(r.get("fbg_over_compression"), ".2f"),
+                _cell(r.get("core_speedup"), ".2f"), _cell(r.get("carry_speedup"), ".2f"),
+                _cell(carry.get("executed_over_trie"), ".3f"),
+                _cell(flat.get("peak_gib"), ".1f"), _cell(tree.get("peak_gib"), ".1f"),
+                _cell(carry.get("peak_gib"), ".1f"), _cell(r.get("flat_mfu"), ".3f"), _cell(auto.get("speedup"), ".2f")]
         print(" ".join(f"{v:>9}" for v in vals))
     for r in rows:
+        rates = [f"{mode} {r[key]:,.0f}" for mode, key in (("flat", "flat_tokens_per_s"),
+                                                            ("tree", "tree_semantic_tokens_per_s")) if key in r]
+        if "carry" in r:
+            rates.append(f"carry {r['carry']['semantic_tokens_per_s']:,.0f}")
         mfu = (f"; MFU flat {r['flat_mfu']:.3f}, tree {r['tree_mfu_compact']:.3f} (on compact rows)"
-               if r["flat_mfu"] is not None else "")
-        print(f"{r['workload']}: tokens/s flat {r['flat_tokens_per_s']:,.0f}, tree {r['tree_semantic_tokens_per_s']:,.0f}"
-              f" (semantic){mfu}")
+               if r.get("flat_mfu") is not None else "")
+        line = f"{r['workload']}: tokens/s {', '.join(rates)} (semantic){mfu}"
+        if "carry" in r:
+            c, duplicate = r["carry"], r.get("tree", {})
+            line += (f"; carry executes {c['executed_rows']:,} rows in {c['microbatches']} microbatches against "
+                     f"{c['trie_rows']:,} trie rows ({c['executed_over_trie']:.3f}x; duplicate "
+                     f"{_cell(r.get('compact_tokens'), ',')} rows in {_cell(duplicate.get('microbatches'), 'd')}),"
+                     f" carry plan {c['planning_seconds']:.2f} s")
+        print(line)
     c = header["cost_model"]
-    print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
-          f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row; auto runs a microbatch as a tree when"
-          " that is cheaper than its flat expansion")
+    if c is not None:
+        print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
+              f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row; auto runs a microbatch as a "
+              "tree when that is cheaper than its flat expansion")
     print("attn cmp: how much the full-attention work (query-key pairs) shrinks; it bounds the speedup of the attention"
           " share of the time the way compr bounds the rest")
+    print("tree = duplicate mode (HARTS plan); carry x = flat s / carry s; exec/trie = carry's executed rows (own "
+          "compact rows of its microbatches) / the trie's rows")
     print("command: " + header["command"])
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """`--modes`: a comma-separated subset of MODES, run in MODES' order."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"got {text!r}: name one or more of {', '.join(MODES)}, comma-separated")
+    return tuple(m for m in MODES if m in names)
 
 
 def main(argv=None) -> int:
@@ -307,6 +393,8 @@ def main(argv=None) -> int:
     parser.add_argument("--low-paths", type=int, default=64, help="paths of the low-sharing workload (0: skip)")
     parser.add_argument("--low-length", type=int, default=8192)
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
+    parser.add_argument("--modes", type=parse_modes, default=MODES,
+                        help="comma-separated modes to time: flat, duplicate (the HARTS plan, reported as tree), carry")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; each microbatch counts its fastest")
     parser.add_argument("--seed", type=int, default=0)
@@ -328,12 +416,15 @@ def main(argv=None) -> int:
         workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
     measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
     rows = [row for row, _ in measured]
-    cost = fit_cost_model([state for _, state in measured])
-    for row, state in measured:
-        row["auto"] = run_auto(state, cost, model, args, device)
-        row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
+    cost = None
+    if {"flat", "duplicate"} <= set(args.modes):
+        cost = fit_cost_model([state for _, state in measured])
+        for row, state in measured:
+            row["auto"] = run_auto(state, cost, model, args, device)
+            row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
+        "modes": list(args.modes), "recompute": not args.no_recompute,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": cost,

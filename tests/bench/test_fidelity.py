@@ -60,3 +60,23 @@ def test_token_outside_vocabulary(tmp_path, capsys):
     path.write_text('{"tokens": [1, 2, 5000]}\n')
     assert main(["--model", "tiny-qwen3-next", "--trajectories", str(path)]) == 2
     assert "vocab_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_carry_mode_splits_the_tree_and_matches(capsys, model):
+    """--mode carry: the tree (384 rows) over microbatches of at most 100 rows, against trajectory-wise execution."""
+    r = run(capsys, "--model", model, "--depth", "5", "--tail", "16", "--chunk-size", "32", "--mode", "carry",
+            "--capacity", "100", "--recompute")
+    c = r["carry"]
+    assert r["mode"] == "carry" and c["microbatches"] >= 3 and c["max_context_rows"] > 0
+    assert c["executed_rows"] == c["trie_rows"] == r["compact_tokens"]
+    assert r["logprob_max_abs_diff"] < 1e-10 and r["loss_abs_diff"] < 1e-10
+    assert r["grad_max_rel_diff"] < 1e-10 and r["moe_aux_abs_diff"] < 1e-10
+    assert r["mean_logit_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert r["arbor"]["logprob_max_abs_diff"] < 1e-10  # the single-microbatch run stays a column
+
+
+def test_carry_mode_needs_a_capacity(capsys):
+    with pytest.raises(SystemExit):
+        main(["--mode", "carry"])
+    assert "--mode carry needs --capacity" in capsys.readouterr().err

@@ -1,6 +1,9 @@
-"""bench.speed end to end on CPU with a tiny model: both workloads, both modes, the fitted cost model and auto mode."""
+"""bench.speed end to end on CPU with a tiny model: both workloads, all three modes, the fitted cost model and auto
+mode; `--modes` skipping the duplicate plan on a step whose tree carry splits over microbatches."""
 
 import json
+
+import pytest
 
 from bench.speed import main
 
@@ -12,7 +15,7 @@ def test_speed_runs_and_reports(tmp_path, capsys):
                  "--warmup", "0", "--repeat", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     printed = capsys.readouterr().out
-    assert "F/B/G x" in printed and "swe: tokens/s flat" in printed
+    assert "F/B/G x" in printed and "carry x" in printed and "swe: tokens/s flat" in printed
     swe, low = r["results"]
     assert swe["workload"] == "swe" and low["workload"] == "low-share"
     assert swe["compression"] > low["compression"] > 1.0
@@ -21,4 +24,31 @@ def test_speed_runs_and_reports(tmp_path, capsys):
         assert w["flat"]["seconds"] > 0 and w["tree"]["seconds"] > 0 and w["auto"]["seconds"] > 0
         assert w["fbg_speedup"] == w["flat"]["seconds"] / w["tree"]["seconds"]
         assert w["auto"]["tree_microbatches"] + w["auto"]["flat_microbatches"] >= 1
+        # Every tree fits in one microbatch here: carry executes the trie, as the duplicate plan does.
+        assert w["carry"]["executed_rows"] == w["carry"]["trie_rows"] == w["compact_tokens"]
+        assert w["carry_speedup"] == w["flat"]["seconds"] / w["carry"]["seconds"]
     assert set(r["header"]["cost_model"]) == {"flat_per_token", "tree_per_compact", "tree_per_view_row"}
+
+
+def test_modes_and_carry_splitting_a_tree(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    assert main(["--model", "tiny-kimi-linear", "--dtype", "float32", "--device", "cpu", "--scale", "0.002",
+                 "--token-scale", "0.8", "--capacity", "2048", "--low-paths", "0", "--modes", "carry,flat",
+                 "--warmup", "0", "--repeat", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (swe,) = r["results"]
+    assert r["header"]["modes"] == ["flat", "carry"] and r["header"]["cost_model"] is None
+    assert "tree" not in swe and "auto" not in swe
+    carry = swe["carry"]
+    assert carry["microbatches"] >= 2  # the tree is larger than the capacity
+    assert carry["executed_rows"] == carry["trie_rows"] < swe["semantic_tokens"]
+    assert swe["carry_speedup"] == swe["flat"]["seconds"] / carry["seconds"]
+    printed = capsys.readouterr().out
+    assert f"carry executes {carry['executed_rows']:,} rows in {carry['microbatches']} microbatches" in printed
+
+
+def test_unknown_mode(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--modes", "flat,tree"])
+    assert exit_.value.code == 2
+    assert "name one or more of flat, duplicate, carry" in capsys.readouterr().err
