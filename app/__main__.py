@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from app.config import ConfigError, JobConfig
+from app.config import PLAN_JOB_READS, ConfigError, JobConfig
 from app.config_loader import load_config, to_toml
 from app.launch import launch_size, torchrun_command, under_torchrun
 from planner.jsonl import TrajectoryFileError
@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
             print(to_toml(config), end="")
             return 0
         if config.job.kind == "plan":
+            from app.config import ignored_by_plan_job
             from app.plan_report import run_plan_report
+
+            ignored = ignored_by_plan_job(config)
+            if ignored:
+                print(f"warning: a plan job reads only {', '.join(PLAN_JOB_READS)}; it ignores {', '.join(ignored)}",
+                      file=sys.stderr)
 
             return run_plan_report(config)
         from app.preflight import check_rl_job

@@ -12,7 +12,7 @@ model's architecture or the environment run in app.preflight before the job star
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -301,3 +301,28 @@ class JobConfig:
                 f"rollout.max_model_len ({r.max_model_len}) + rollout.max_env_tokens ({r.max_env_tokens}) = {longest} "
                 f"tokens; raise planner.capacity to at least {longest}, lower those, or set planner.mode = 'carry'"
             )
+
+
+#: What a plan job reads; every other setting is the RL job's.
+PLAN_JOB_READS = ("job", "planner.capacity", "rollout.trajectories")
+
+
+def changed_settings(config, prefix: str = "") -> list[str]:
+    """Keys of `config` (a section dataclass, recursively) whose values differ from their defaults; path settings
+    are left out (their defaults become absolute paths)."""
+    keys = []
+    for f in fields(config):
+        value, key = getattr(config, f.name), f"{prefix}{f.name}"
+        if hasattr(value, "__dataclass_fields__"):
+            keys += changed_settings(value, f"{key}.")
+        elif not f.metadata.get("path"):
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if value != default and not (isinstance(value, (list, tuple)) and list(value) == list(default)):
+                keys.append(key)
+    return keys
+
+
+def ignored_by_plan_job(config: JobConfig) -> list[str]:
+    """The settings a plan job does not read but the config changes (for one warning naming them)."""
+    return [k for k in changed_settings(config)
+            if not any(k == r or k.startswith(r + ".") for r in PLAN_JOB_READS)]

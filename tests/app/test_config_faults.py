@@ -257,3 +257,12 @@ def test_fidelity_chunk_size_zero(capsys):
         fidelity.main(["--chunk-size", "0"])
     assert e.value.code == CONFIG_ERROR
     assert "error: --chunk-size must be >= 1 (omit it for the model's own), got 0" in capsys.readouterr().err
+
+
+def test_plan_job_warns_about_the_settings_it_ignores(tmp_path, capsys):
+    job = tmp_path / "plan.toml"
+    job.write_text("[job]\nkind = \"plan\"\n\n[train]\nsteps = 3\n\n[planner]\ncapacity = 4096\n")
+    assert main([str(job), "--rl.kl_coef=0.1"]) == 0
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning.endswith("it ignores train.steps, rl.kl_coef") and "planner.capacity" not in warning.split(
+        "ignores")[1]
