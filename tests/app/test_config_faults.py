@@ -123,8 +123,10 @@ def test_bad_trajectory_file_in_a_plan_job(tmp_path, capsys, lines, message):
     assert re.search(message, error_line(capsys))
 
 
-def test_plan_job_checks_capacity(capsys):
-    assert main(["configs/demo.toml", "--job.kind=plan", "--planner.capacity=40"]) == CONFIG_ERROR
+def test_plan_job_checks_capacity(tmp_path, capsys):
+    job = tmp_path / "plan.toml"
+    job.write_text("[job]\nkind = \"plan\"\n")
+    assert main([str(job), "--planner.capacity=40"]) == CONFIG_ERROR
     line = error_line(capsys)
     assert line.startswith("error: `planner.capacity` = 40 for ") and "sample_trees.jsonl" in line
     assert "use capacity >= 268" in line
