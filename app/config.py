@@ -131,7 +131,7 @@ class PlannerConfig:
     per microbatch, shared prefixes executed again in each), "carry" (trees cut into parts of at most `capacity`
     rows that read their ancestors' keys, values and states from earlier microbatches: every unique row once; paths
     longer than `capacity` train), "auto" (carry for the trees where the cost model predicts it cheaper, the HARTS
-    plan when no tree needs it). Pipeline parallelism runs "duplicate" only."""
+    plan when no tree needs it). Under pipeline parallelism "auto" means "duplicate" and "carry" is refused."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -281,13 +281,19 @@ class JobConfig:
         if self.job.kind == "rl":
             self._check_planner()
 
+    @property
+    def plan_mode(self) -> str:
+        """The planner mode the RL job runs: `planner.mode`, with "auto" meaning "duplicate" under pipeline
+        parallelism (its stages do not carry prefixes)."""
+        return "duplicate" if self.planner.mode == "auto" and self.parallel.pp > 1 else self.planner.mode
+
     def _check_planner(self) -> None:
-        if self.planner.mode != "duplicate" and self.parallel.pp > 1:
+        if self.planner.mode == "carry" and self.parallel.pp > 1:
             raise ConfigError(
-                f"`planner.mode` = {self.planner.mode!r} with `parallel.pp` = {self.parallel.pp}: pipeline stages do not "
-                "carry prefixes across microbatches; set planner.mode = 'duplicate' or pp = 1"
+                f"`planner.mode` = 'carry' with `parallel.pp` = {self.parallel.pp}: pipeline stages do not carry "
+                "prefixes across microbatches; set planner.mode = 'duplicate' (or 'auto') or pp = 1"
             )
-        if self.planner.mode == "duplicate":
+        if self.plan_mode == "duplicate":
             self._check_capacity()
 
     def _check_capacity(self) -> None:

@@ -184,7 +184,7 @@ def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
             f"least {observation}"
         )
     longest = max(len(t) for tree in trees for t in tree.trajectories())
-    if c.train.sft_steps > 0 and c.planner.mode == "duplicate" and longest > c.planner.capacity:
+    if c.train.sft_steps > 0 and c.plan_mode == "duplicate" and longest > c.planner.capacity:
         raise ConfigError(
             f"`planner.capacity` = {c.planner.capacity} is shorter than an SFT demonstration of environment "
             f"{env.name!r} ({longest} tokens); raise it to at least {longest}"

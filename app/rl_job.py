@@ -214,8 +214,7 @@ class _Job:
     def _planned(self, trajectories: list[Trajectory], scalars: dict[str, float] | None = None) -> SharedBatch:
         """(main rank) The step's microbatch plan for the job's D replicas."""
         start = time.perf_counter()
-        p = self.config.planner
-        plan = plan_step(trajectories, p.capacity, self.trainer.dp, p.mode)
+        plan = plan_step(trajectories, self.config.planner.capacity, self.trainer.dp, self.config.plan_mode)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
     def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch] | CarryStep:
