@@ -272,7 +272,9 @@ class _Job:
                 f"{self.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
                 f"(`train.max_skipped_steps` = {limit}); lower the learning rate or check the data"
             )
-        if self.trainer.share(lambda: self.stop.received) is not None:
+        received = self.trainer.share(lambda: self.stop.received)
+        if received is not None:
+            self.stop.received = received  # the main rank's signal: every rank names it and exits with its code
             raise StopRequested()
 
     def _tasks(self, count: int, seed: str) -> list:
