@@ -39,13 +39,14 @@ CARRY_METHODS = {"carry": "carry", "auto": "auto"}
 
 def context_sizes(config: ModelConfig) -> ContextSizes:
     """Bytes a carried context item takes in `config`'s model (parameter dtype for keys, values and inputs, fp32
-    states), each summed over the layers of its kind. Full attention carries projected keys and values."""
+    states), each summed over the layers of its kind. Full attention carries projected keys and values; MLA its normed
+    latent and shared key (`models.tree.carry.LATENT_NAMES`)."""
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[config.dtype]
     full = sum(t == "full_attention" for t in config.layer_types)
     linear = len(config.layer_types) - full
     attention, mixer = config.full_attention, config.linear_attention
     if isinstance(attention, MLAConfig):
-        kv = attention.num_heads * (attention.qk_nope_head_dim + attention.qk_rope_head_dim + attention.v_head_dim)
+        kv = attention.kv_lora_rank + attention.qk_rope_head_dim
     elif isinstance(attention, GatedAttentionConfig):
         kv = 2 * attention.num_kv_heads * attention.head_dim
     else:

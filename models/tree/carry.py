@@ -6,7 +6,9 @@ Legend: C own compact rows (physical order), P / Xc / X / Y carried attention, c
 
 Per layer (`CarryContext.mix`), besides what `models.tree.mixers` does for a tree microbatch:
 - full attention: keys and values are [own C; carried P] (`TreeAttentionLayout.context_rows`); it exports the keys
-  and values of its rows that later parts see as context;
+  and values of its rows that later parts see as context. MLA exports its compressed rows instead (normed latent
+  `[R]` and shared key `[P]`, 576 values per row in Kimi-Linear's shapes against 5,120 for projected keys and values)
+  and the reader decompresses [own; carried] latents in one call (`MLA.decompress`, per row);
 - linear attention: the conv reads [own C; carried Xc] conv inputs as the initial conv states, the core reads
   [own C; carried X] core inputs (replay rows) and starts sequences from the carried states (the state table's
   entries 1..Y); it exports conv inputs, core inputs and chunk-boundary states.
@@ -27,27 +29,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from models.attention_core import AttentionRows
 from models.linear_attention import CoreInputs, LinearAttention
+from models.mla import MLA
 from models.tree.attention import tree_attention
 from models.tree.carry_layout import CarryLinks, Index
 from models.tree.mixers import TreeContext, conv_initial_state, linear_attention_states
 
-__all__ = ["NAMES", "CarryTraffic", "CarryContext", "CarryExchange"]
+__all__ = ["NAMES", "LATENT_NAMES", "carried_names", "CarryTraffic", "CarryContext", "CarryExchange"]
 
-#: The tensors of each kind a layer carries: full-attention keys and values; linear attention's conv inputs, core
-#: inputs (`models.linear_attention.CoreInputs` fields) and states.
+#: The tensors of each kind a layer carries: full-attention keys and values (MLA: `LATENT_NAMES`); linear attention's
+#: conv inputs, core inputs (`models.linear_attention.CoreInputs` fields) and states.
 NAMES = {"attention": ("k", "v"), "conv": ("conv",), "replay": ("q", "k", "v", "g", "beta"), "state": ("state",)}
+#: What MLA carries for its context rows (`models.mla.MLALatents` fields): decompressing them again costs one
+#: [P, R] x [R, H * (N + V)] GEMM, carrying projected keys and values 8.9x the bytes (and as much again in gradients).
+LATENT_NAMES = ("kv_latent", "k_shared")
 
-Reader = Callable[[nn.Module, str], dict[str, torch.Tensor]]
+Reader = Callable[[nn.Module, str, Sequence[str]], dict[str, torch.Tensor]]
 
 
-def _cat(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    return torch.cat([own, carried[name]]) if carried else own
+def carried_names(mixer: nn.Module, kind: str) -> tuple[str, ...]:
+    """The tensors `mixer` carries of `kind`."""
+    return LATENT_NAMES if kind == "attention" and isinstance(mixer, MLA) else NAMES[kind]
 
 
 def _take(x: torch.Tensor, rows: Index) -> torch.Tensor:
     """Rows of x as a tensor of their own: an export must not keep the whole layer's tensor alive through a view."""
     return x[rows].clone() if isinstance(rows, slice) else x[rows]
+
+
+def _join(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """[own; carried[name]] (own alone when nothing is carried)."""
+    return torch.cat([own, carried[name]]) if carried else own
 
 
 class CarryTraffic:
@@ -68,14 +81,14 @@ class CarryTraffic:
 class CarryContext(TreeContext):
     """TreeContext of a carry microbatch: its layers read and write `traffic`."""
 
-    traffic: CarryTraffic = field(default_factory=lambda: CarryTraffic({}, lambda mixer, kind: {}))
+    traffic: CarryTraffic = field(default_factory=lambda: CarryTraffic({}, lambda mixer, kind, names: {}))
 
     @property
     def exports(self) -> dict[str, Index | tuple[int, ...]]:
         return self.traffic.exports
 
     def read(self, mixer: nn.Module, kind: str) -> dict[str, torch.Tensor]:
-        return self.traffic.read(mixer, kind)
+        return self.traffic.read(mixer, kind, carried_names(mixer, kind))
 
     def mix(self, mixer: nn.Module, h_CD: torch.Tensor) -> torch.Tensor:
         """The layer's token mixer on normed own rows `[C, D]` -> `[C, D]`, recording its exports (recomputation's
@@ -93,20 +106,27 @@ class CarryContext(TreeContext):
 
     def _attention(self, mixer: nn.Module, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
-        rows = mixer.project(h_CD, layout.positions)
         carried = self.read(mixer, "attention")
-        o = tree_attention(rows.q, _cat(rows.k, carried, "k"), _cat(rows.v, carried, "v"), layout.attention,
-                           mixer.scale, self.attention_backend)
-        return mixer.output(o, rows), self._rows(rows, "attention", NAMES["attention"])
+        if isinstance(mixer, MLA):
+            latents = mixer.latents(h_CD, layout.positions)
+            k, v = mixer.decompress(*(_join(getattr(latents, n), carried, n) for n in LATENT_NAMES))
+            q, exported = latents.q, self._rows(latents, "attention", LATENT_NAMES)
+            rows = AttentionRows(q, k, v)
+        else:
+            rows = mixer.project(h_CD, layout.positions)
+            exported = self._rows(rows, "attention", NAMES["attention"])
+            rows = AttentionRows(rows.q, _join(rows.k, carried, "k"), _join(rows.v, carried, "v"), rows.gate)
+        o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend)
+        return mixer.output(o, rows), exported
 
     def _linear(self, mixer: LinearAttention, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
         rows = mixer.project(h_CD)
-        init = conv_initial_state(_cat(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
+        init = conv_initial_state(_join(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
         qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
         inputs = mixer.activate(rows, qkv_CX)
         replay = self.read(mixer, "replay")
-        core_inputs = CoreInputs(*(_cat(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
+        core_inputs = CoreInputs(*(_join(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
         o, states = linear_attention_states(mixer, core_inputs, layout, self.read(mixer, "state").get("state"),
                                             self.exports.get("state"))
         exported = {**self._rows(inputs, "replay", NAMES["replay"])}
@@ -145,12 +165,12 @@ class CarryExchange:
             )
         imports = self.links[slot].imports
 
-        def read(mixer: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+        def read(mixer: nn.Module, kind: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
             runs = imports.get(kind)
             if not runs:
                 return {}
             out = {}
-            for name in NAMES[kind]:
+            for name in names:
                 pieces = [self.leaves[p][mixer][name][rows] for p, rows in runs]
                 out[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             return out

@@ -15,8 +15,8 @@ def test_planner_bench_reports_carry(capsys):
 
 
 def test_context_sizes_of_ling_3_tiny():
-    """6 MLA layers of 16 x (128 + 64 + 128) bf16 keys/values, 18 KDA layers of 16 x 128 x 128 fp32 states."""
+    """6 MLA layers of a 512-wide bf16 latent and a 64-wide shared key, 18 KDA layers of 16 x 128 x 128 fp32 states."""
     sizes = context_sizes(preset("ling-3-tiny"))
-    assert sizes.full_attention_row == 6 * 16 * 320 * 2
+    assert sizes.full_attention_row == 6 * (512 + 64) * 2
     assert sizes.linear_state == 18 * 16 * 128 * 128 * 4
     assert sizes.conv_row == 18 * 3 * 16 * 128 * 2 and sizes.chunk_size == 64 and sizes.conv_width == 4

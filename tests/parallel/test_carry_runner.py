@@ -24,7 +24,7 @@ from models.decoder import FlatContext, flat_context
 from models.linear_attention import LinearAttention
 from models.microbatch import StepNormalizer, trained_counts
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
-from models.tree.carry import CarryExchange
+from models.tree.carry import LATENT_NAMES, NAMES, CarryExchange
 from parallel import carry_runner
 from parallel.carry_runner import CarryRunner
 from planner.pack import pack
@@ -160,27 +160,33 @@ def test_carry_equals_trajectory_wise(name, recompute):
     assert max(errors.values()) <= TOL, max(errors.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("dropped", ["attention", "state"])
-def test_carry_ablation_without_injected_gradients_fails(monkeypatch, dropped):
-    """Dropping the gradients consumers send to the carried keys/values (or linear-attention states) must break the
-    parameter gradients: the test above can fail."""
+@pytest.mark.parametrize(("dropped", "name"), [("attention", "tiny-qwen3-next"), ("attention", "tiny-kimi-linear"),
+                                             ("state", "tiny-qwen3-next")])
+def test_carry_ablation_without_injected_gradients_fails(monkeypatch, dropped, name):
+    """Dropping the gradients consumers send to the carried keys/values (MLA: latents and shared keys) or
+    linear-attention states must break the parameter gradients: the test above can fail."""
+    carried = []
 
     class Dropping(CarryExchange):
         def backward(self, slot):
             for mixer, leaves in self.leaves.get(slot, {}).items():
                 attention = not isinstance(mixer, LinearAttention)
+                if attention:
+                    carried.append(tuple(leaves))
                 for name, leaf in leaves.items():
                     if (dropped == "attention" and attention) or (dropped == "state" and name == "state"):
                         leaf.grad = None
             super().backward(slot)
 
     monkeypatch.setattr(carry_runner, "CarryExchange", Dropping)
-    reference, model = make_model("tiny-qwen3-next", torch.float64), make_model("tiny-qwen3-next", torch.float64)
+    reference, model = make_model(name, torch.float64), make_model(name, torch.float64)
     trees = step_trees(model.config.chunk_size, model.config.vocab_size)
     step = prepare(trees, model)
     CarryRunner(model).train_step(step, microbatch_loss)
     flat_reference(reference, trees, step)[1].backward()
     assert max(relative_errors(reference, model).values()) > 1e-4
+    expected = LATENT_NAMES if name == "tiny-kimi-linear" else NAMES["attention"]
+    assert carried and all(names == expected for names in carried if names)
 
 
 def test_single_trajectory_longer_than_a_microbatch():
