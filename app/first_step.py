@@ -47,5 +47,5 @@ class FirstStepWatch:
 
     def _beat(self, label: str, start: float, done: threading.Event) -> None:
         while not done.wait(self.interval):
-            self.say(f"{label}: running for {time.perf_counter() - start:.0f} s (compiling and autotuning kernels "
-                     f"on first use, into {self.cache.folder})")
+            self.say(f"{label}: running for {time.perf_counter() - start:.0f} s (a first step compiles and autotunes "
+                     f"the kernels not yet in {self.cache.folder})")
