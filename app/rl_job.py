@@ -39,6 +39,7 @@ from app.config_loader import ConfigError
 from app.data import DataError, DataExhausted, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
+from app.first_step import FirstStepWatch
 from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
                          sft_line, sft_scalars, train_scalars)
@@ -53,6 +54,7 @@ from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors, save_hf
 from models.carry_microbatch import CarryStep
 from models.microbatch import Microbatch
+from models.ops.kernel_cache import KernelCache, use_kernel_cache
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_planned
 from parallel.runner import StepMetrics
@@ -113,6 +115,18 @@ class Update:
     """Per layer, the step's expert loads summed over replicas (None for dense layers); empty when skipped."""
 
 
+def _kernel_cache(config: JobConfig) -> KernelCache | None:
+    """On a GPU: point Triton's cache (TRITON_CACHE_DIR) at `train.kernel_cache` before any kernel compiles, in every
+    rank (vLLM's processes inherit it); None on a CPU, where nothing compiles through Triton."""
+    if resolve_device(config.train.device).type != "cuda":
+        return None
+    default = Path(config.checkpoint.dir).parent / "kernel-cache"
+    try:
+        return use_kernel_cache(config.train.kernel_cache, default, "train.kernel_cache")
+    except OSError as e:
+        raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
+
+
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
     """The trainer of this process: distributed when started by torchrun with several ranks."""
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -143,6 +157,7 @@ class _Job:
         c = config
         if c.train.threads is not None:
             torch.set_num_threads(c.train.threads)
+        kernel_cache = _kernel_cache(c)
         self.env = make_environment(c.rollout.env, c.rollout.env_options)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
         self.env = bind_tokenizer(self.env, self.tokenizer)
@@ -156,6 +171,7 @@ class _Job:
         self.trainer.own(c.metrics.log_dir, "metrics.log_dir")
         self.main = self.trainer.is_main
         self.console = console if self.main else Console(quiet=True)
+        self.first_step = FirstStepWatch(kernel_cache if self.main else None, self._print)
         self.data = build_task_feed(c.data, self.env, seed=c.train.seed, on_skip=self._print) if self.main else None
         self.router = RouterLossConfig(c.train.moe_aux_loss_coef, c.train.moe_z_loss_coef)
         self.done = Completed()
@@ -297,10 +313,11 @@ class _Job:
         task = bars.phase("SFT", c.train.sft_steps, self.done.sft_done)
         for s in range(self.done.sft_done, c.train.sft_steps):
             start = time.perf_counter()
-            shared = self.trainer.share(lambda: self._demonstrations(s))
-            microbatches = self._prepare(shared, "token-mean")
-            lr = self._lr(c.train.sft_lr or c.train.lr, s)
-            update = self._update(microbatches, sft_loss(self.router), lr, 1.0, f"SFT step {s + 1}")
+            with self.first_step.step("SFT", f"SFT step {s + 1}"):
+                shared = self.trainer.share(lambda: self._demonstrations(s))
+                microbatches = self._prepare(shared, "token-mean")
+                lr = self._lr(c.train.sft_lr or c.train.lr, s)
+                update = self._update(microbatches, sft_loss(self.router), lr, 1.0, f"SFT step {s + 1}")
             self.done.sft_done = s + 1
             values = {"sft/lr": lr, "sft/skipped": float(update.skipped), "time/step": time.perf_counter() - start}
             if math.isfinite(update.step["loss"]):
@@ -336,7 +353,8 @@ class _Job:
         task = bars.phase("RL", c.train.steps, self.done.rl_done)
         rewards = []
         for step in range(self.done.rl_done, c.train.steps):
-            values = self._rl_step(step, bars)
+            with self.first_step.step("RL", f"RL step {step + 1}"):
+                values = self._rl_step(step, bars)
             rewards.append((step + 1, values["rollout/reward_mean"]))
             self._log(values)
             if self.main and c.metrics.tree_picture_interval and step % c.metrics.tree_picture_interval == 0:

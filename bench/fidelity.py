@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from bench.branching import nested_fork_trajectories
+from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
@@ -475,6 +476,7 @@ def main(argv=None) -> int:
                         help="tree: Arbor as one microbatch; carry: also prefix carry over microbatches of --capacity")
     parser.add_argument("--capacity", type=int, default=None, help="compact rows per carry microbatch (--mode carry)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
@@ -486,6 +488,8 @@ def main(argv=None) -> int:
         parser.error("--oracle compares against float64: run it with --dtype float32 or bfloat16")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
+    if args.device == "cuda":
+        open_kernel_cache(args)
     try:
         result = run(args)
     except ValueError as e:

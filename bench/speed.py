@@ -33,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
@@ -400,10 +401,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-recompute", action="store_true")
     parser.add_argument("--json", help="also write results to this file")
+    add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    if device.type == "cuda":
+        open_kernel_cache(args)
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):

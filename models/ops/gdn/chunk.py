@@ -3,7 +3,8 @@ delta-rule flags.
 
 Legend: B batch rows, T tokens, N sequences, H query/key heads, HV value heads, K/V key/value head dims.
 Reference with the same signature: `models.ops.gdn.naive.naive_chunk_gdn`.
-Note (fla.md section 3): fla's GDN backward raises on Hopper with triton >= 3.4, < 3.7.1 unless `tilelang` is installed.
+fla's GDN backward raises on Hopper with triton >= 3.4, < 3.7.1 unless `tilelang` is installed; the rule, with the
+reason it gives, is `models.ops.fla_limits.gdn_backward_limit`.
 """
 
 import torch

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from models.ops.conv import causal_conv1d, naive_causal_conv1d
+from models.ops.fla_limits import gdn_backward_limit
 from models.ops.gdn import chunk_gdn, naive_chunk_gdn
 from models.ops.kda import chunk_kda, naive_chunk_kda
 from models.ops.norm import naive_rms_norm_gated, rms_norm_gated
@@ -53,7 +54,13 @@ def run_with_grads(op, x, cu_seqlens):
     return (o, final), dict(zip(names, grads))
 
 
-@pytest.mark.parametrize("core", CORES)
+# fla refuses GDN's backward on some machines (models.ops.fla_limits); the forward-only tests run there.
+GDN_BACKWARD_LIMIT = gdn_backward_limit()
+CORES_WITH_BACKWARD = ["kda", pytest.param("gdn", marks=pytest.mark.skipif(
+    GDN_BACKWARD_LIMIT is not None, reason=GDN_BACKWARD_LIMIT or ""))]
+
+
+@pytest.mark.parametrize("core", CORES_WITH_BACKWARD)
 def test_fla_core_matches_reference(core):
     fast, naive, per_channel = CORES[core]
     x, cu_seqlens = cuda_inputs(per_channel, torch.bfloat16)

@@ -1,0 +1,74 @@
+"""The folder where Triton keeps the kernels it compiles and fla's autotuning results: `TRITON_CACHE_DIR`.
+
+fla's Triton kernels compile on first use, and fla 0.6.0 autotunes them with `cache_results=True`
+(`FLA_CACHE_RESULTS`, fla/utils/env.py), so the timings land beside the binaries as
+`<folder>/<hash>/<kernel>.autotune.json` (triton/runtime/autotuner.py `check_disk_cache`). A folder that outlives
+the run therefore spares the next run both the compilation and the autotuning (on an H200, the first step of a cold
+RL job took 229 s, issue #20); copying it spares another machine with the same GPU, triton and fla versions.
+torch.compile's Triton kernels go there too (inductor reads `TRITON_CACHE_DIR`).
+
+Triton reads the variable each time it looks up a kernel, so setting it before the first kernel compiles is enough
+(this module imports neither triton nor fla). The RL job (`train.kernel_cache`) and the benchmarks
+(`--kernel-cache`) choose the folder with `use_kernel_cache`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TRITON_CACHE_ENV", "KernelCache", "use_kernel_cache", "cache_entries"]
+
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+# The value this process set, so that a second job in the same process does not take it for the user's own setting.
+_set_here: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelCache:
+    folder: Path
+    source: str
+    """What chose the folder: the setting's name, `TRITON_CACHE_DIR`, or "default"."""
+    entries: int
+    """Kernels (cache entries) the folder held before this process compiled anything."""
+
+    def describe(self) -> str:
+        state = (f"warm, {self.entries} entries" if self.entries else
+                 "empty: kernels compile and autotune on first use, minutes")
+        return f"kernel cache {self.folder} ({state}; from {self.source})"
+
+
+def cache_entries(folder: Path) -> int:
+    """Entries (one folder per compiled kernel or autotuning result) in a Triton cache folder."""
+    try:
+        return sum(1 for e in os.scandir(folder) if e.is_dir())
+    except FileNotFoundError:
+        return 0
+
+
+def use_kernel_cache(folder: str | Path | None, default: str | Path | None, setting: str) -> KernelCache:
+    """Point Triton's cache at a folder (creating it) for this process and the processes it starts.
+
+    Which folder wins: `folder` (an explicit setting, named `setting`), else the user's own `TRITON_CACHE_DIR`,
+    else `default`, else Triton's own default (`$TRITON_HOME/.triton/cache`, TRITON_HOME defaulting to the home
+    folder). Raises OSError when the folder cannot be created.
+    """
+    global _set_here
+    user = os.environ.get(TRITON_CACHE_ENV)
+    if user is not None and user == _set_here:
+        user = None
+    if folder is not None:
+        chosen, source = Path(folder), setting
+    elif user:
+        chosen, source = Path(user), TRITON_CACHE_ENV
+    elif default is not None:
+        chosen, source = Path(default), "default"
+    else:
+        home = Path(os.environ.get("TRITON_HOME", "~")).expanduser()
+        chosen, source = home / ".triton" / "cache", "Triton's default"
+    chosen = chosen.expanduser().absolute()
+    chosen.mkdir(parents=True, exist_ok=True)
+    os.environ[TRITON_CACHE_ENV] = _set_here = str(chosen)
+    return KernelCache(chosen, source, cache_entries(chosen))

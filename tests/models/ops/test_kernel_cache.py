@@ -1,0 +1,58 @@
+"""Which folder Triton's cache gets (models.ops.kernel_cache.use_kernel_cache): an explicit setting wins over the
+user's TRITON_CACHE_DIR, which wins over the default; the folder is created, set for this process and named."""
+
+import os
+
+import pytest
+
+from models.ops import kernel_cache
+from models.ops.kernel_cache import TRITON_CACHE_ENV, use_kernel_cache
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    monkeypatch.setattr(kernel_cache, "_set_here", None)
+
+
+def test_an_explicit_folder_wins_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
+    cache = use_kernel_cache(tmp_path / "mine" / "kc", tmp_path / "default", "train.kernel_cache")
+    assert cache.folder == tmp_path / "mine" / "kc" and cache.folder.is_dir()
+    assert cache.source == "train.kernel_cache" and os.environ[TRITON_CACHE_ENV] == str(cache.folder)
+    assert cache.describe() == (f"kernel cache {cache.folder} (empty: kernels compile and autotune on first use, "
+                                "minutes; from train.kernel_cache)")
+
+
+def test_the_environment_wins_over_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
+    cache = use_kernel_cache(None, tmp_path / "default", "train.kernel_cache")
+    assert cache.folder == tmp_path / "user" and cache.source == TRITON_CACHE_ENV and cache.folder.is_dir()
+    assert not (tmp_path / "default").exists()
+
+
+def test_the_default_and_a_warm_folder(tmp_path):
+    for name in ("a1b2", "c3d4"):
+        (tmp_path / "default" / name).mkdir(parents=True)
+    cache = use_kernel_cache(None, tmp_path / "default", "--kernel-cache")
+    assert cache.source == "default" and cache.entries == 2
+    assert "(warm, 2 entries; from default)" in cache.describe()
+
+
+def test_a_folder_set_by_an_earlier_job_is_not_the_users(tmp_path):
+    """Two jobs in one process: the second one's default is not overridden by the first one's folder."""
+    use_kernel_cache(None, tmp_path / "first", "train.kernel_cache")
+    cache = use_kernel_cache(None, tmp_path / "second", "train.kernel_cache")
+    assert cache.folder == tmp_path / "second" and os.environ[TRITON_CACHE_ENV] == str(tmp_path / "second")
+
+
+def test_nothing_set_means_tritons_own_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    cache = use_kernel_cache(None, None, "--kernel-cache")
+    assert cache.folder == tmp_path / ".triton" / "cache" and cache.source == "Triton's default"
+
+
+def test_a_folder_that_cannot_be_created_raises_oserror(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        use_kernel_cache(tmp_path / "file" / "kc", None, "--kernel-cache")
