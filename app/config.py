@@ -132,10 +132,16 @@ class PlannerConfig:
     rows that read their ancestors' keys, values and states from earlier microbatches: every unique row once; paths
     longer than `capacity` train), "auto" (carry for the trees where the cost model predicts it cheaper, the HARTS
     plan when no tree needs it). Under pipeline parallelism "auto" means "duplicate" and "carry" is refused."""
+    carry_resident: int = 1
+    """Carry plans only: how many open microbatches (forwarded, with later microbatches reading them before their
+    backward) keep their saved activations on the GPU; the others wait in pinned host memory until their backward
+    (parallel/host_offload.py). 0 parks every one; larger values trade GPU memory for the copies."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ConfigError(f"`planner.capacity` must be >= 1, got {self.capacity}")
+        if self.carry_resident < 0:
+            raise ConfigError(f"`planner.carry_resident` must be >= 0, got {self.carry_resident}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"`planner.chunk_size` must be >= 1, got {self.chunk_size}")
 

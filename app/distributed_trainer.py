@@ -55,6 +55,7 @@ class DistributedTrainer(Trainer):
         wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if job.config.pp > 1
                                     else (parallelize_for_job, CarryRunner))
         self.attention_backend = c.train.attention_backend
+        self.carry_resident = c.planner.carry_resident
         # The KL reference is wrapped now, like the policy; it is the policy's copy once RL begins (freeze_reference).
         self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None
         self._reference_frozen = False
@@ -65,7 +66,8 @@ class DistributedTrainer(Trainer):
         self.runner = self._runner_for(self.model)
 
     def _runner_for(self, model: nn.Module) -> StepRunner:
-        return self._runner_class(model, dp_group=self.dp_group, attention_backend=self.attention_backend)
+        carry = {"resident": self.carry_resident} if self._runner_class is CarryRunner else {}
+        return self._runner_class(model, dp_group=self.dp_group, attention_backend=self.attention_backend, **carry)
 
     @property
     def reference(self) -> nn.Module | None:

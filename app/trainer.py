@@ -173,10 +173,11 @@ class LocalTrainer(Trainer):
         self.optimizers = (self.optimizer,)
         self.reference: HybridForCausalLM | None = None
         self.attention_backend = c.train.attention_backend
+        self.carry_resident = c.planner.carry_resident
         self.runner = self._runner_for(self.model)
 
     def _runner_for(self, model: nn.Module) -> CarryRunner:
-        return CarryRunner(model, attention_backend=self.attention_backend)
+        return CarryRunner(model, attention_backend=self.attention_backend, resident=self.carry_resident)
 
     def policy(self) -> HybridForCausalLM:
         return self.model

@@ -186,7 +186,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         start = time.perf_counter()
         cplan = plan_carry(trajectories, args.capacity, 1)
         carry_plan_seconds = time.perf_counter() - start
-        runner = CarryRunner(model, attention_backend=args.attention)
+        runner = CarryRunner(model, attention_backend=args.attention, resident=args.carry_resident)
     flat_groups = first_fit_flat(trajectories, args.capacity)
 
     def run_flat(group):
@@ -228,7 +228,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         count = len(mbs) if mode == "carry" else len(times)
         results[key] = {"seconds": sum(times), "microbatches": count, "peak_gib": peak}
         print(f"{name} {mode}: {count} microbatches, {sum(times):.2f} s "
-              f"({', '.join(f'{t:.2f}' for t in times)})", file=sys.stderr, flush=True)
+              f"({', '.join(f'{t:.2f}' for t in times)}), peak {peak:.1f} GiB", file=sys.stderr, flush=True)
     model.zero_grad(set_to_none=True)
 
     flat_s = results["flat"]["seconds"] if "flat" in results else None
@@ -396,6 +396,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--modes", type=parse_modes, default=MODES,
                         help="comma-separated modes to time: flat, duplicate (the HARTS plan, reported as tree), carry")
+    parser.add_argument("--carry-resident", type=int, default=1,
+                        help="carry: open microbatches whose activations stay on the GPU (planner.carry_resident)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; each microbatch counts its fastest")
     parser.add_argument("--seed", type=int, default=0)
@@ -428,7 +430,7 @@ def main(argv=None) -> int:
             row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
-        "modes": list(args.modes), "recompute": not args.no_recompute,
+        "modes": list(args.modes), "recompute": not args.no_recompute, "carry_resident": args.carry_resident,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": cost,

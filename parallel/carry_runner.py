@@ -14,12 +14,18 @@ FSDP2's gathers and reduce-scatters and EP's all-to-alls line up; an empty event
 microbatch with a zero loss (its forward and backward issue the same collectives). In one process empty events run
 nothing.
 
+Memory: a microbatch stays open (its graph alive) from its forward to its backward. Of the microbatches that stay
+open while later forwards run, the first `resident` keep their saved activations on the device; the others' wait in
+pinned host memory (`parallel.host_offload`), so a step's peak holds at most `resident` open microbatches besides
+the running one, however many the plan keeps open.
+
 It runs a duplicate plan's microbatches (a list of `models.microbatch.Microbatch`) as `PlainRunner` does, so a
 trainer holds one runner whatever `planner.mode` made the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 
@@ -28,6 +34,7 @@ import torch.distributed as dist
 
 from models.carry_microbatch import CarryMicrobatch, CarryStep
 from models.tree.carry import CarryExchange
+from parallel.host_offload import host_offload, offloaded_forwards
 from parallel.plain_runner import PlainRunner
 from parallel.runner import MicrobatchLoss, StepMetrics, StepSums
 
@@ -35,7 +42,14 @@ __all__ = ["CarryRunner"]
 
 
 class CarryRunner(PlainRunner):
-    """Runs carry steps on a plain or parallelized HybridForCausalLM (arguments as `PlainRunner`)."""
+    """Runs carry steps on a plain or parallelized HybridForCausalLM (arguments as `PlainRunner`, and `resident`:
+    how many open microbatches keep their saved activations on the device, see the module docstring)."""
+
+    def __init__(self, model, *, resident: int = 1, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        if resident < 0:
+            raise ValueError(f"`resident` must be >= 0, got {resident}")
+        self.resident = resident
 
     def _check_events(self, step: CarryStep) -> None:
         """Every replica has the same kinds of events in the same order (else a collective would hang)."""
@@ -76,6 +90,7 @@ class CarryRunner(PlainRunner):
         exchange = CarryExchange([mb.links for mb in step])
         sums = StepSums()
         nulls: list[torch.Tensor] = []
+        offloaded = offloaded_forwards(step.events, self.resident)
         for kind, slot in step.events:
             start = time.perf_counter()
             if slot < 0:
@@ -84,8 +99,9 @@ class CarryRunner(PlainRunner):
             elif kind == "forward":
                 mb = step[slot]
                 ctx = exchange.context(slot, mb.layout, self.attention_backend)
-                output = self.model(ctx, chunk_rows=self.chunk_rows, entropy=entropy, temperature=temperature)
-                loss, metrics = loss_fn(output.logprobs, mb, output)
+                with host_offload() if slot in offloaded else contextlib.nullcontext():
+                    output = self.model(ctx, chunk_rows=self.chunk_rows, entropy=entropy, temperature=temperature)
+                    loss, metrics = loss_fn(output.logprobs, mb, output)
                 exchange.keep(slot, ctx, loss)
                 sums.add(slot, loss, metrics, output)
             else:

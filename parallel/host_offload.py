@@ -1,0 +1,70 @@
+"""Saved activations of a microbatch parked in host memory between its forward and its backward (prefix carry,
+issue #17).
+
+A carry microbatch whose rows later microbatches read stays open while they run: its backward comes after theirs.
+Under full-layer recomputation what it holds is its layer inputs (`[C, D]` per layer: ling-3-tiny 24 x 1,536 bf16,
+73.7 KB per row, 4.1 GB at 55,752 rows) and the saved tensors of its embedding, final norm and log-probs. On full
+SWE-like steps a replica can have up to 10 microbatches open at once (bench/RESULTS.md), so `CarryRunner` keeps
+the activations of at most `resident` open microbatches on the device and moves the others' to pinned host memory
+under `host_offload()`, copying them back when autograd unpacks them in the backward.
+
+Parameters stay where they are: a saved leaf that requires grad (a weight) is kept as saved, so FSDP2's unsharded
+parameters are neither copied nor detached from their resharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["host_offload", "offloaded_forwards"]
+
+
+def _pack(t: torch.Tensor):
+    if t.device.type == "cpu" or (t.is_leaf and t.requires_grad):
+        return t
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return t.device, host
+
+
+def _unpack(packed) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, host = packed
+    return host.to(device, non_blocking=True)
+
+
+def host_offload() -> torch.autograd.graph.saved_tensors_hooks:
+    """Context manager: tensors autograd saves inside it (device tensors other than parameters) wait in pinned host
+    memory until the backward unpacks them. The copies run on the current stream, so they are ordered with the
+    kernels that produce and later read them; CPU tensors are kept as they are."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def offloaded_forwards(events: Sequence[tuple[str, int]], resident: int) -> frozenset[int]:
+    """The slots whose forward runs under `host_offload()`: a microbatch that stays open while another forward runs
+    (its backward is not its next event of its own) keeps its activations on the device only while fewer than
+    `resident` such open microbatches already do. Slot -1 (an empty event) holds nothing.
+
+    With the carry planner's nested events (F0 F1 .. Fk Bk .. B0) the first `resident` open ones stay: they are
+    the ones whose rows the later ones read. `resident` = 0 offloads every held microbatch; a large one none."""
+    held = set()
+    for i, (kind, slot) in enumerate(events):
+        if kind != "forward" or slot < 0:
+            continue
+        later = events[i + 1:]
+        own_backward = later.index(("backward", slot)) if ("backward", slot) in later else len(later)
+        if any(k == "forward" and s >= 0 for k, s in later[:own_backward]):
+            held.add((i, slot))
+    on_device: set[int] = set()
+    offloaded: set[int] = set()
+    for i, (kind, slot) in enumerate(events):
+        if slot < 0:
+            continue
+        if kind == "forward" and (i, slot) in held:
+            (on_device if len(on_device) < resident else offloaded).add(slot)
+        elif kind == "backward":
+            on_device.discard(slot)
+    return frozenset(offloaded)

@@ -1,0 +1,91 @@
+"""Held carry microbatches park their saved activations in host memory (`parallel.host_offload`): which forwards
+do, and that a step with every held microbatch parked still equals trajectory-wise training (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel import host_offload
+from parallel.carry_runner import CarryRunner
+from parallel.host_offload import offloaded_forwards
+from tests.models.tree.test_carry_layout import step_trees
+from tests.models.tree.test_execute import make_model
+from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
+
+F, B = "forward", "backward"
+
+
+@pytest.mark.parametrize(("events", "resident", "expected"), [
+    ([(F, 0), (F, 1), (B, 1), (B, 0)], 1, set()),
+    ([(F, 0), (F, 1), (B, 1), (B, 0)], 0, {0}),
+    ([(F, 0), (B, 0), (F, 1), (B, 1)], 0, set()),  # nothing stays open while another runs
+    ([(F, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (B, 0)], 1, {1, 2}),
+    ([(F, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (B, 0)], 2, {2}),
+    ([(F, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (B, 0)], 9, set()),
+    # a backward frees its place on the device for the next held forward
+    ([(F, 0), (F, 1), (B, 1), (B, 0), (F, 2), (F, 3), (B, 3), (B, 2)], 1, set()),
+    # empty events (slot -1) hold nothing and keep no place
+    ([(F, 0), (F, -1), (F, 1), (B, 1), (B, -1), (B, 0)], 0, {0}),
+    ([(F, -1), (F, 0), (B, 0), (B, -1)], 0, set()),
+])
+def test_which_forwards_are_offloaded(events, resident, expected):
+    assert offloaded_forwards(events, resident) == expected
+
+
+class RoundTrip:
+    """CPU stand-ins for the device <-> host copies: every packed tensor is copied (floating ones scaled by 1.5, for the ablation)."""
+
+    def __init__(self, monkeypatch, corrupt=False):
+        self.packed = 0
+        self.corrupt = corrupt
+        monkeypatch.setattr(host_offload, "_pack", self.pack)
+        monkeypatch.setattr(host_offload, "_unpack", self.unpack)
+
+    def pack(self, t):
+        if t.is_leaf and t.requires_grad:
+            return t
+        self.packed += 1
+        return ("host", t.detach().clone())
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        t = packed[1]
+        return 1.5 * t if self.corrupt and t.is_floating_point() else t.clone()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_held_microbatch_offloaded_equals_trajectory_wise(monkeypatch, recompute):
+    reference, model = make_model("tiny-kimi-linear", torch.float64), make_model("tiny-kimi-linear", torch.float64)
+    trees = step_trees(model.config.chunk_size, model.config.vocab_size)
+    step = prepare(trees, model)
+    held = offloaded_forwards(step.events, 0)
+    assert len(held) >= 2, "the step must keep microbatches open while others run"
+    copies = RoundTrip(monkeypatch)
+    model.set_activation_checkpointing(recompute)
+    result = CarryRunner(model, resident=0).train_step(step, microbatch_loss)
+    assert copies.packed > 0
+    loss_ref = flat_reference(reference, trees, step)[1]
+    loss_ref.backward()
+    assert abs(result.loss - loss_ref.item()) <= TOL * abs(loss_ref.item())
+    errors = relative_errors(reference, model)
+    assert len(errors) == len(list(model.parameters()))
+    assert max(errors.values()) <= TOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_offloaded_activations_are_the_ones_the_backward_reads(monkeypatch):
+    """Scaling what comes back from the host breaks the gradients: the offloaded tensors are really used (without
+    recomputation: with it, other layer inputs change the recomputed graph and torch's checkpoint refuses it)."""
+    reference, model = make_model("tiny-kimi-linear", torch.float64), make_model("tiny-kimi-linear", torch.float64)
+    trees = step_trees(model.config.chunk_size, model.config.vocab_size)
+    step = prepare(trees, model)
+    RoundTrip(monkeypatch, corrupt=True)
+    CarryRunner(model, resident=0).train_step(step, microbatch_loss)
+    flat_reference(reference, trees, step)[1].backward()
+    assert max(relative_errors(reference, model).values()) > 1e-4
+
+
+def test_resident_must_not_be_negative():
+    with pytest.raises(ValueError, match="resident"):
+        CarryRunner(make_model("tiny-kimi-linear", torch.float64), resident=-1)
