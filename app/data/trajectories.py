@@ -48,7 +48,7 @@ def trajectory_parser(needs: dict[str, str], vocab_size: int) -> Callable[[dict]
         largest = int(trajectory.tokens.max())
         if largest >= vocab_size:
             raise RecordError(f"token id {largest} is outside the model's vocabulary of {vocab_size} ids "
-                              "(another tokenizer's ids?)", field="tokens")
+                              "(the records must be tokenized with the model's tokenizer)", field="tokens")
         for key, why in needs.items():
             if record.get(key) is None:
                 raise RecordError(f"missing: {why}", field=key)
