@@ -135,8 +135,4 @@ class OfflineJob(_Job):
 
 def run_offline(config: JobConfig, console: Console | None = None) -> int:
     """Run the offline job of `config` in this process (one of the ranks under torchrun); returns the exit code."""
-    job = OfflineJob(config, console or Console())
-    try:
-        return job.run()
-    finally:
-        job.close()
+    return OfflineJob.start(config, console)

@@ -538,11 +538,16 @@ class _Job:
     def close(self) -> None:
         self.trainer.close()
 
+    @classmethod
+    def start(cls, config: JobConfig, console: Console | None = None) -> int:
+        """Build the job of `config`, run it and release its folders; returns the exit code."""
+        job = cls(config, console or Console())
+        try:
+            return job.run()
+        finally:
+            job.close()
+
 
 def run_rl(config: JobConfig, console: Console | None = None) -> int:
     """Run the RL job of `config` in this process (one of the ranks under torchrun); returns the exit code."""
-    job = _Job(config, console or Console())
-    try:
-        return job.run()
-    finally:
-        job.close()
+    return _Job.start(config, console)

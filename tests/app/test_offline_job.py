@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-import app.data.feed
 from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
@@ -23,6 +22,7 @@ from models.microbatch import prepare_microbatch
 from parallel.carry_runner import CarryRunner
 from planner.jsonl import read_jsonl
 from tests.app.offline_trees import calculator_trees
+from tests.app.jobs import OUTPUTS, recording_batches
 from tests.app.test_rl_job import events, models_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,17 +54,7 @@ lr = 3e-3
 [rl]
 # The recorded behaviour log-probs are those of another model (configs/offline.toml's): no importance weights.
 tis_cap = "none"
-
-[checkpoint]
-dir = "ck"
-interval = 1
-keep = 10
-export_dir = "hf"
-
-[metrics]
-log_dir = "tb"
-progress = false
-"""
+""" + OUTPUTS
 FLOAT64 = ["--model.dtype=float64", "--train.moe_aux_loss_coef=0"]
 
 
@@ -81,21 +71,7 @@ def offline_job(folder: Path, lines: list[str] | None = None) -> Path:
 @pytest.fixture
 def records_per_step(monkeypatch):
     """Every step's records as the job received them: {step: [tokens of each record]}, one dict per run."""
-    runs: list[dict[int, list]] = []
-    take = app.data.feed.RecordFeed.next_batch
-
-    def recording(self, count, step):
-        batch = take(self, count, step)
-        runs[-1][step] = [t.tokens.tolist() for t in batch]
-        return batch
-
-    monkeypatch.setattr(app.data.feed.RecordFeed, "next_batch", recording)
-
-    def run(*args: str) -> int:
-        runs.append({})
-        return main(list(args))
-
-    return run, runs
+    return recording_batches(monkeypatch, lambda trajectory: trajectory.tokens.tolist())
 
 
 def test_bundled_example_is_what_its_generator_writes():

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import app.data.tasks
 from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
@@ -20,7 +19,7 @@ from rollout.chat_template import ChatTemplate
 from rollout.envs import AnswerEnv, CalculatorEnv, Environment
 from rollout.rendered_env import RenderedEnvironment
 from tests.app.coin_env import CoinEnv
-from tests.app.jobs import write_job
+from tests.app.jobs import recording_batches, write_job
 from tests.app.test_rl_job import models_equal
 from tests.rollout.qwen_tokenizer import qwen_style_tokenizer
 
@@ -96,21 +95,7 @@ prefetch = 2
 @pytest.fixture
 def tasks_per_step(monkeypatch):
     """Every step's tasks as the job received them: {step: [coin, ...]}, one dict per run."""
-    runs: list[dict[int, list]] = []
-    take = TaskFeed.tasks
-
-    def recording(self, count, step):
-        tasks = take(self, count, step)
-        runs[-1][step] = tasks
-        return tasks
-
-    monkeypatch.setattr(app.data.tasks.TaskFeed, "tasks", recording)
-
-    def run(*args: str) -> int:
-        runs.append({})
-        return main(list(args))
-
-    return run, runs
+    return recording_batches(monkeypatch)
 
 
 def job(folder: Path, extra: str = "", **bad) -> Path:
