@@ -23,6 +23,7 @@ from parallel.carry_runner import CarryRunner
 from planner.jsonl import read_jsonl
 from tests.app.offline_trees import calculator_trees
 from tests.app.jobs import OUTPUTS, recording_batches
+from tests.app.test_distributed import launch, scalars
 from tests.app.test_rl_job import events, models_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,8 +240,6 @@ def test_two_ranks_stopped_mid_epoch_and_resumed_equal_uninterrupted(tmp_path):
     """On 2 gloo ranks (FSDP2 over dp_shard = 2): stopped after step 2 and resumed, the run reads the records of an
     uninterrupted 2-rank run at every step (the checkpoints' data states, the main rank reads for both replicas)
     with bitwise-equal losses and parameters; and the records are those one process reads."""
-    from tests.app.test_distributed import launch, scalars
-
     two = ["--parallel.dp_shard=2", *FLOAT64, "--train.steps=8"]
     want, got, one = offline_job(tmp_path / "want"), offline_job(tmp_path / "got"), offline_job(tmp_path / "one")
     launch(want.parent, 2, *two)
@@ -258,3 +257,15 @@ def test_two_ranks_stopped_mid_epoch_and_resumed_equal_uninterrupted(tmp_path):
     assert scalars(got.parent, "train/loss") == scalars(want.parent, "train/loss")
     worst = max((final["want"]["model"][k] - final["one"]["model"][k]).abs().max().item() for k in final["one"]["model"])
     assert worst < 1e-9, worst  # the same records in one process: only the summation order differs
+
+
+def test_kl_is_taken_to_the_recorded_reference_log_probs(tmp_path):
+    """rl.kl_coef > 0 reads each record's ref_logprobs (here its behaviour log-probs, of a wider model): the KL is
+    positive from the first step, and no frozen reference policy is kept or checkpointed."""
+    lines = [json.dumps({**json.loads(line), "ref_logprobs": json.loads(line)["logprobs"]})
+             for line in EXAMPLE.read_text().splitlines()[:30]]
+    config = offline_job(tmp_path / "a", lines)
+    assert main([str(config), "--rl.kl_coef=0.5", "--train.steps=2"]) == 0
+    kl = scalars(tmp_path / "a", "train/kl")
+    assert sorted(kl) == [1, 2] and min(kl.values()) > 0, kl
+    assert Checkpointer(tmp_path / "a" / "ck").load()["reference"] is None
