@@ -50,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan_report(config)
         from app.preflight import check_offline_job, check_rl_job
 
+        if config.job.kind == "offline" and os.environ.get("RANK", "0") == "0":
+            from app.config import ignored_by_offline_job
+
+            ignored = ignored_by_offline_job(config)
+            if ignored:
+                print(f"warning: an offline job (objective {config.job.objective!r}) ignores {', '.join(ignored)}",
+                      file=sys.stderr)
+
         relaunch = launch_size(config) > 1 and not under_torchrun()
         command = torchrun_command(config, args.config, [a for a in argv if a != args.config]) if relaunch else None
         for warning in (check_rl_job if config.job.kind == "rl" else check_offline_job)(config):

@@ -361,7 +361,23 @@ def changed_settings(config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _under(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
 def ignored_by_plan_job(config: JobConfig) -> list[str]:
     """The settings a plan job does not read but the config changes (for one warning naming them)."""
-    return [k for k in changed_settings(config)
-            if not any(k == r or k.startswith(r + ".") for r in PLAN_JOB_READS)]
+    return [k for k in changed_settings(config) if not _under(k, PLAN_JOB_READS)]
+
+
+#: What an offline job does not read: the rollouts, the SFT warm-up, GRPO's grouping, tree pictures.
+OFFLINE_JOB_IGNORES = ("rollout", "train.sft_steps", "train.sft_lr", "train.sft_tasks_per_step", "rl.advantages",
+                       "rl.scale_by_std", "metrics.tree_picture_interval")
+
+
+def ignored_by_offline_job(config: JobConfig) -> list[str]:
+    """The settings an offline job does not read but the config changes (for one warning naming them): those of
+    OFFLINE_JOB_IGNORES except `rollout.temperature` of the RL objective, and `[rl]` under the SFT objective."""
+    reads = ("rollout.temperature",) if config.job.objective == "rl" else ()
+    ignores = OFFLINE_JOB_IGNORES + (("rl",) if config.job.objective == "sft" else ())
+    return [k for k in changed_settings(config) if _under(k, ignores) and not _under(k, reads)]

@@ -269,3 +269,18 @@ def test_kl_is_taken_to_the_recorded_reference_log_probs(tmp_path):
     kl = scalars(tmp_path / "a", "train/kl")
     assert sorted(kl) == [1, 2] and min(kl.values()) > 0, kl
     assert Checkpointer(tmp_path / "a" / "ck").load()["reference"] is None
+
+
+def test_settings_an_offline_job_ignores_are_named_once(tmp_path, capsys):
+    config = offline_job(tmp_path / "a")
+    assert main([str(config), "--train.steps=1", "--rollout.env=calculator", "--rollout.tasks_per_step=3",
+                 "--train.sft_steps=2", "--rollout.temperature=0.7", "--rl.advantages=siblings"]) == 0
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning == "warning: an offline job (objective 'rl') ignores rollout.tasks_per_step, train.sft_steps, " \
+                      "rl.advantages"
+    assert main([str(config), "--train.steps=1", "--job.objective=sft", "--rollout.temperature=0.7",
+                 "--rl.clip_low=0.1"]) == 0
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    # The job file sets rl.tis_cap.
+    assert warning == "warning: an offline job (objective 'sft') ignores rollout.temperature, rl.clip_low, " \
+                      "rl.tis_cap"
