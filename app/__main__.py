@@ -1,11 +1,11 @@
 """`python -m app CONFIG.toml [--resume] [--print-config] [--section.key=value ...]` (what ./run.sh runs).
 
-Before any work the config is checked (app.config, then app.preflight for RL jobs): a bad setting, or a config or
+Before any work the config is checked (app.config, then app.preflight for RL and offline jobs): a bad setting, or a config or
 TRAJ.jsonl file that cannot be read, prints one `error:` line naming the key or the file and line, and exits with
 code 2 (no traceback); a likely mistake prints a `warning:` line and the job goes on. `--section.key=none` unsets an
 optional setting; paths given here are relative to the current folder, paths in the file to the file's folder.
 
-An RL job whose [parallel] degrees need several ranks re-executes itself under torchrun on this node
+An RL or offline job whose [parallel] degrees need several ranks re-executes itself under torchrun on this node
 (app.launch); each rank then runs this same entry point.
 """
 
@@ -48,16 +48,28 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
 
             return run_plan_report(config)
-        from app.preflight import check_rl_job
+        from app.preflight import check_offline_job, check_rl_job
+
+        if config.job.kind == "offline" and os.environ.get("RANK", "0") == "0":
+            from app.config import ignored_by_offline_job
+
+            ignored = ignored_by_offline_job(config)
+            if ignored:
+                print(f"warning: an offline job (objective {config.job.objective!r}) ignores {', '.join(ignored)}",
+                      file=sys.stderr)
 
         relaunch = launch_size(config) > 1 and not under_torchrun()
         command = torchrun_command(config, args.config, [a for a in argv if a != args.config]) if relaunch else None
-        for warning in check_rl_job(config):
+        for warning in (check_rl_job if config.job.kind == "rl" else check_offline_job)(config):
             if os.environ.get("RANK", "0") == "0":
                 print(f"warning: {warning}", file=sys.stderr)
         if command is not None:
             print(f"[arbor] {launch_size(config)} ranks: {' '.join(command)}", file=sys.stderr, flush=True)
             os.execv(command[0], command)
+        if config.job.kind == "offline":
+            from app.offline_job import run_offline
+
+            return run_offline(config)
         from app.rl_job import run_rl
 
         return run_rl(config)

@@ -27,9 +27,14 @@ __all__ = ["JobConfig", "ConfigError"]
 
 @dataclass(kw_only=True)
 class JobSection:
-    kind: Literal["rl", "plan"] = "rl"
+    kind: Literal["rl", "plan", "offline"] = "rl"
     """"rl": the agentic RL loop (rollout trees -> tree training -> weight sync). "plan": pack `rollout.trajectories`
-    (or the bundled sample trees) and report what tree training saves on them."""
+    (or the bundled sample trees) and report what tree training saves on them. "offline": train on recorded
+    trajectories, `data.trajectories` (app/offline_job.py); no rollout engine."""
+    objective: Literal["sft", "rl"] = "sft"
+    """Offline jobs only: "sft" = NLL of the loss_mask tokens, weighted by each record's `weight`; "rl" = the `[rl]`
+    objective (clipped surrogate, truncated IS with the recorded behaviour `logprobs`, KL to the recorded
+    `ref_logprobs`) with the recorded advantages."""
 
 
 @dataclass(kw_only=True)
@@ -165,6 +170,8 @@ class TrainConfig:
     max_skipped_steps: int = 5
     """Stop the job (exit 4) after this many consecutive optimizer steps skipped for a non-finite loss or gradient
     norm, with a checkpoint of the last finite state; 0 = never stop."""
+    trajectories_per_step: int = 16
+    """Offline jobs: trajectory records (TRAJ.jsonl lines) per optimizer step."""
     sft_steps: int = 0
     """Supervised warm-up steps on tree-structured demonstrations (the environment's own solutions) before RL."""
     sft_lr: float | None = None
@@ -195,8 +202,9 @@ class TrainConfig:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`train.{name}` must be >= 0, got {getattr(self, name)}")
-        if self.sft_tasks_per_step < 1:
-            raise ConfigError(f"`train.sft_tasks_per_step` must be >= 1, got {self.sft_tasks_per_step}")
+        for name in ("sft_tasks_per_step", "trajectories_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`train.{name}` must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "sft_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -289,8 +297,35 @@ class JobConfig:
             raise ConfigError(
                 f"`model.hf_path`: {self.model.hf_path} is not a Hugging Face checkpoint (no config.json)"
             )
-        if self.job.kind == "rl":
-            self._check_planner()
+        self._check_offline()
+        if self.job.kind != "plan":
+            self._check_plan_mode()
+        if self.job.kind == "rl" and self.plan_mode == "duplicate":
+            self._check_capacity()
+
+    def _check_offline(self) -> None:
+        """`data.trajectories` and `job.objective` belong to offline jobs, which need trajectories and no tasks."""
+        offline = self.job.kind == "offline"
+        if self.data.trajectories is not None and not offline:
+            raise ConfigError(
+                f"`data.trajectories` is read by offline jobs only, but `job.kind` = {self.job.kind!r}: set "
+                "job.kind = 'offline' or remove it (--data.trajectories=none)"
+            )
+        if self.job.objective != "sft" and not offline:
+            raise ConfigError(f"`job.objective` is read by offline jobs only, but `job.kind` = {self.job.kind!r}: "
+                              "remove it (the RL job's objective is `rl.objective`)")
+        if offline and self.data.trajectories is None:
+            raise ConfigError("`job.kind` = 'offline' needs [data] trajectories = \"PATH or glob\" (TRAJ.jsonl files, "
+                              "planner/jsonl.py)")
+        if offline and self.data.tasks is not None:
+            raise ConfigError("`data.tasks` is read by RL jobs only; an offline job reads `data.trajectories`: "
+                              "remove it (--data.tasks=none)")
+
+    @property
+    def reference_policy(self) -> bool:
+        """Whether the job keeps a frozen reference policy for the KL term (an RL job with `rl.kl_coef` > 0; an
+        offline job reads the recorded reference log-probs instead)."""
+        return self.job.kind == "rl" and self.rl.kl_coef > 0
 
     @property
     def plan_mode(self) -> str:
@@ -298,14 +333,12 @@ class JobConfig:
         parallelism (its stages do not carry prefixes)."""
         return "duplicate" if self.planner.mode == "auto" and self.parallel.pp > 1 else self.planner.mode
 
-    def _check_planner(self) -> None:
+    def _check_plan_mode(self) -> None:
         if self.planner.mode == "carry" and self.parallel.pp > 1:
             raise ConfigError(
                 f"`planner.mode` = 'carry' with `parallel.pp` = {self.parallel.pp}: pipeline stages do not carry "
                 "prefixes across microbatches; set planner.mode = 'duplicate' (or 'auto') or pp = 1"
             )
-        if self.plan_mode == "duplicate":
-            self._check_capacity()
 
     def _check_capacity(self) -> None:
         """In duplicate mode every path of a rollout tree must fit one microbatch: the engine stops a path at
@@ -339,7 +372,23 @@ def changed_settings(config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _under(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
 def ignored_by_plan_job(config: JobConfig) -> list[str]:
     """The settings a plan job does not read but the config changes (for one warning naming them)."""
-    return [k for k in changed_settings(config)
-            if not any(k == r or k.startswith(r + ".") for r in PLAN_JOB_READS)]
+    return [k for k in changed_settings(config) if not _under(k, PLAN_JOB_READS)]
+
+
+#: What an offline job does not read: the rollouts, the SFT warm-up, GRPO's grouping, tree pictures.
+OFFLINE_JOB_IGNORES = ("rollout", "train.sft_steps", "train.sft_lr", "train.sft_tasks_per_step", "rl.advantages",
+                       "rl.scale_by_std", "metrics.tree_picture_interval")
+
+
+def ignored_by_offline_job(config: JobConfig) -> list[str]:
+    """The settings an offline job does not read but the config changes (for one warning naming them): those of
+    OFFLINE_JOB_IGNORES except `rollout.temperature` of the RL objective, and `[rl]` under the SFT objective."""
+    reads = ("rollout.temperature",) if config.job.objective == "rl" else ()
+    ignores = OFFLINE_JOB_IGNORES + (("rl",) if config.job.objective == "sft" else ())
+    return [k for k in changed_settings(config) if _under(k, ignores) and not _under(k, reads)]

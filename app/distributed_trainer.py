@@ -57,7 +57,7 @@ class DistributedTrainer(Trainer):
         self.attention_backend = c.train.attention_backend
         self.carry_resident = c.planner.carry_resident
         # The KL reference is wrapped now, like the policy; it is the policy's copy once RL begins (freeze_reference).
-        self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.rl.kl_coef > 0 else None
+        self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.reference_policy else None
         self._reference_frozen = False
         self.model = wrap(model, job)
         self.optimizer = build_optimizers(self.model, lr=c.train.lr, weight_decay=c.train.weight_decay,

@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from rollout.tree import RolloutTree
 
 __all__ = ["MetricsLog", "new_run_name", "rollout_scalars", "plan_scalars", "sft_scalars", "train_scalars",
-           "sft_line", "rl_line", "reward_summary"]
+           "sft_line", "rl_line", "offline_line", "reward_summary"]
 
 
 def new_run_name() -> str:
@@ -123,6 +123,19 @@ def rl_line(step: int, steps: int, values: dict[str, float]) -> str:
             f"solved {values['rollout/trees_solved']:.2f}  loss {values.get('train/loss', nan):+.4f}  "
             f"entropy {values.get('train/entropy', nan):.3f}  |dlogp| {values.get('mismatch/abs_mean', nan):.4f}  "
             f"S/C {values.get('train/compression', nan):.2f}  {values['time/step']:.1f} s")
+
+
+def offline_line(step: int, steps: int, values: dict[str, float], prefix: str) -> str:
+    """The console line of offline step `step` (1-based) of `steps`; `prefix` is the objective's tag prefix ("sft"
+    or "train")."""
+    nan = math.nan
+    line = (f"offline step {step:>3}/{steps}  loss {values.get(f'{prefix}/loss', nan):+.4f}  "
+            f"entropy {values.get(f'{prefix}/entropy', nan):.3f}")
+    if prefix == "sft":
+        line += f"  nll {values.get('sft/nll', nan):.3f}"
+    else:
+        line += f"  |dlogp| {values.get('mismatch/abs_mean', nan):.4f}"
+    return line + f"  S/C {values.get('train/compression', nan):.2f}  {values['time/step']:.1f} s"
 
 
 def reward_summary(rewards: list[tuple[int, float]]) -> str | None:

@@ -1,4 +1,5 @@
-"""Checks of an RL job that need more than its config, run by `python -m app` before any work.
+"""Checks of an RL job (and of an offline job: its output folders) that need more than its config, run by
+`python -m app` before any work.
 
 A setting that would fail only after the SFT warm-up, at the engine start, at the first checkpoint or at the export
 stops the job here with ConfigError (one `error:` line naming the key); a legal setting that is likely wrong gives a
@@ -49,8 +50,12 @@ from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
 
+<<<<<<< HEAD
 __all__ = ["SAMPLE_TASKS", "check_rl_job", "check_episodes", "check_engine", "check_trainer", "check_outputs",
            "vllm_cpu_version"]
+=======
+__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_outputs", "vllm_cpu_version"]
+>>>>>>> h-offline
 
 #: Tasks drawn to check the environment's episodes.
 SAMPLE_TASKS = 16
@@ -66,10 +71,21 @@ def check_rl_job(config: JobConfig) -> list[str]:
     check_engine(config, arch, vllm_cpu_version())
     check_trainer(config, arch, gdn_backward_limit())
     warnings = check_episodes(config, env, tokenizer)
-    world = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun() else 1
-    share = int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
-    check_outputs(config, arch, share)
+    check_outputs(config, arch, _node_share())
     return warnings
+
+
+def check_offline_job(config: JobConfig) -> list[str]:
+    """The checks of an offline job (no environment, no engine: the output folders and their disks); raises
+    ConfigError, returns the warnings (none)."""
+    check_outputs(config, architecture(config.model), _node_share())
+    return []
+
+
+def _node_share() -> float:
+    """This node's share of a checkpoint: its ranks over all ranks (1 outside torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun() else 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
 
 
 def vllm_cpu_version() -> str | None:
@@ -250,7 +266,7 @@ def check_outputs(config: JobConfig, arch: ModelConfig, share: float = 1.0) -> N
         _writable_folder(key, folder)
     with torch.device("meta"):
         parameters = sum(p.numel() * p.element_size() for p in HybridForCausalLM(arch).parameters())
-    copies = 3 + (config.rl.kl_coef > 0)
+    copies = 3 + config.reference_policy
     writes = {"checkpoint.dir": parameters * copies * share}
     if c.export_dir is not None:
         writes["checkpoint.export_dir"] = parameters

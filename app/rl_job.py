@@ -36,7 +36,7 @@ from app.advantages import assign_advantages, assign_batch_baseline
 from app.checkpoint import NonFiniteError, check_finite, rng_state, set_rng_state
 from app.config import JobConfig
 from app.config_loader import ConfigError
-from app.data import DataError, DataExhausted, build_task_feed
+from app.data import DataError, DataExhausted, TaskFeed, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
 from app.first_step import FirstStepWatch
@@ -86,6 +86,9 @@ class Completed:
     @property
     def step(self) -> int:
         return self.sft_done + self.rl_done
+
+    def __str__(self) -> str:
+        return f"SFT steps done {self.sft_done}, RL steps done {self.rl_done}"
 
 
 @dataclass
@@ -150,7 +153,14 @@ def _build_trainer(config: JobConfig, model: HybridForCausalLM):
 
 
 class _Job:
-    """Holds the state of one run; `run` drives the phases."""
+    """Holds the state of one run; `run` drives the phases. The RL job's; app.offline_job.OfflineJob overrides the
+    hooks (`progress`, `bad_record`, `_environment`, `_feed`, `phases`) and shares the rest: trainer, checkpoints,
+    resume, updates, stop signals, failures and the export."""
+
+    #: The completed steps of each phase, as a checkpoint records them.
+    progress = Completed
+    #: What the error line calls a DataError's record.
+    bad_record = "bad task record"
 
     def __init__(self, config: JobConfig, console: Console) -> None:
         self.config = config
@@ -158,9 +168,8 @@ class _Job:
         if c.train.threads is not None:
             torch.set_num_threads(c.train.threads)
         kernel_cache = _kernel_cache(c)
-        self.env = make_environment(c.rollout.env, c.rollout.env_options)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
-        self.env = bind_tokenizer(self.env, self.tokenizer)
+        self.env = self._environment()
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
             raise ConfigError(
                 f"`planner.chunk_size` = {c.planner.chunk_size} differs from the model's linear-attention chunk size "
@@ -172,9 +181,9 @@ class _Job:
         self.main = self.trainer.is_main
         self.console = console if self.main else Console(quiet=True)
         self.first_step = FirstStepWatch(kernel_cache if self.main else None, self._print)
-        self.data = build_task_feed(c.data, self.env, seed=c.train.seed, on_skip=self._print) if self.main else None
+        self.data = self._feed() if self.main else None
         self.router = RouterLossConfig(c.train.moe_aux_loss_coef, c.train.moe_z_loss_coef)
-        self.done = Completed()
+        self.done = self.progress()
         self.saved_step: int | None = None
         self.saved_path = ""
         self.resumed_rng = None
@@ -196,6 +205,15 @@ class _Job:
             self.console.print(f"[yellow]{note}[/yellow]")
         self.metrics = MetricsLog(c.metrics.log_dir, self.run_name, purge_step=purge) if self.main else None
 
+    def _environment(self):
+        """The rollout environment, bound to the policy's tokenizer."""
+        return bind_tokenizer(make_environment(self.config.rollout.env, self.config.rollout.env_options),
+                              self.tokenizer)
+
+    def _feed(self) -> TaskFeed | None:
+        """(main rank) The records the steps read: `[data] tasks`, or None (the environment's generator)."""
+        return build_task_feed(self.config.data, self.env, seed=self.config.train.seed, on_skip=self._print)
+
     def save(self) -> None:
         self.saved_path = self.trainer.save(
             self.done.step, {"progress": asdict(self.done), "rng": rng_state(), "run_name": self.run_name,
@@ -205,15 +223,14 @@ class _Job:
 
     def _restore(self) -> None:
         state = self.trainer.restore()
-        self.done = Completed(**state["progress"])
+        self.done = self.progress(**state["progress"])
         self.resumed_rng = state["rng"]
         set_rng_state(self.resumed_rng)
         self.run_name = state["run_name"]
         if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
         self.saved_step, self.saved_path = self.done.step, state["path"]
-        self.console.print(f"resumed from {state['path']} (SFT steps done {self.done.sft_done}, "
-                           f"RL steps done {self.done.rl_done})")
+        self.console.print(f"resumed from {state['path']} ({self.done})")
 
     def _print(self, text: str) -> None:
         """A line that may quote data (no rich markup) and stays whole for log readers."""
@@ -226,6 +243,11 @@ class _Job:
     def _lr(self, peak: float, phase_step: int) -> float:
         warmup = self.config.train.warmup_steps
         return peak * min(1.0, (phase_step + 1) / warmup) if warmup else peak
+
+    def phases(self, bars: JobProgress) -> None:
+        """The job's phases: the SFT warm-up, then RL."""
+        self.sft(bars)
+        self.rl(bars)
 
     def _planned(self, trajectories: list[Trajectory], scalars: dict[str, float] | None = None) -> SharedBatch:
         """(main rank) The step's microbatch plan for the job's D replicas."""
@@ -388,13 +410,13 @@ class _Job:
         scalars = {**rollout_scalars(self.trees, trajectories), "time/rollout": time.perf_counter() - start}
         return self._planned(trajectories, scalars)
 
-    def _rl_step(self, step: int, bars: JobProgress) -> dict[str, float]:
+    def _policy_updates(self, shared: SharedBatch, step: int, label: str, bars: JobProgress) -> tuple[Update, bool]:
+        """The `[rl]` objective's `rl.epochs` updates on a step's trajectories (phase step `step`, 0-based): reference
+        and old log-probs, then the epochs, stopping at a skipped one. Returns the first update (marked skipped if
+        any was) and whether the policy changed."""
         c = self.config
         t = self.trainer
-        t0 = time.perf_counter()
-        shared = t.share(lambda: self._rollout(step, bars))
         microbatches = self._prepare(shared, c.rl.aggregation)
-        t1 = time.perf_counter()
         temperature = c.rollout.temperature
         if t.reference_runner is not None:
             for mb, ref in zip(microbatches, t.reference_runner.score(microbatches, temperature=temperature)):
@@ -407,7 +429,7 @@ class _Job:
         first, updated = None, False
         for epoch in range(c.rl.epochs):
             update = self._update(microbatches, loss_fn, self._lr(c.train.lr, step), temperature,
-                                  f"RL step {step + 1} epoch {epoch + 1}")
+                                  f"{label} epoch {epoch + 1}")
             if first is None:
                 first = update
             bars.advance(train_bar)
@@ -416,6 +438,14 @@ class _Job:
                 break
             updated = True
         bars.remove(train_bar)
+        return first, updated
+
+    def _rl_step(self, step: int, bars: JobProgress) -> dict[str, float]:
+        t = self.trainer
+        t0 = time.perf_counter()
+        shared = t.share(lambda: self._rollout(step, bars))
+        t1 = time.perf_counter()
+        first, updated = self._policy_updates(shared, step, f"RL step {step + 1}", bars)
         t2 = time.perf_counter()
         self.done.rl_done = step + 1
         if updated:
@@ -451,8 +481,7 @@ class _Job:
         self.console.print(f"TensorBoard: tensorboard --logdir {c.metrics.log_dir}  (run {self.run_name})")
         try:
             with self.stop, JobProgress(self.console, c.metrics.progress and self.main) as bars:
-                self.sft(bars)
-                self.rl(bars)
+                self.phases(bars)
         except DataExhausted as e:
             self._print(f"data: {e}; stopping after step {self.done.step}")
         except StopRequested:
@@ -465,7 +494,7 @@ class _Job:
             return self._failed(4, f"at step {self.done.step}: {e}")
         except (EngineError, EnvironmentOutputError, DataError) as e:
             what = "rollout engine failed" if isinstance(e, EngineError) else \
-                "bad task record" if isinstance(e, DataError) else "invalid environment output"
+                self.bad_record if isinstance(e, DataError) else "invalid environment output"
             notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
             return self._failed(3 if isinstance(e, EngineError) else 2,
                                 f"{what} at step {self.done.step + 1}: {e}{notes}")
@@ -527,11 +556,16 @@ class _Job:
     def close(self) -> None:
         self.trainer.close()
 
+    @classmethod
+    def start(cls, config: JobConfig, console: Console | None = None) -> int:
+        """Build the job of `config`, run it and release its folders; returns the exit code."""
+        job = cls(config, console or Console())
+        try:
+            return job.run()
+        finally:
+            job.close()
+
 
 def run_rl(config: JobConfig, console: Console | None = None) -> int:
     """Run the RL job of `config` in this process (one of the ranks under torchrun); returns the exit code."""
-    job = _Job(config, console or Console())
-    try:
-        return job.run()
-    finally:
-        job.close()
+    return _Job.start(config, console)

@@ -88,7 +88,7 @@ class Trainer(Protocol):
     def _open_checkpoints(self, config: JobConfig) -> None:
         self.checkpoints = Checkpointer(config.checkpoint.dir, config.checkpoint.keep)
         self.notes = []
-        self._wants_reference = config.rl.kl_coef > 0
+        self._wants_reference = config.reference_policy
         self._locks: dict[Path, FolderLock] = {}
         self.own(config.checkpoint.dir, "checkpoint.dir")
 

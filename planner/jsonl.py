@@ -25,7 +25,7 @@ import numpy as np
 
 from planner.trajectory import Trajectory
 
-__all__ = ["read_jsonl", "write_jsonl", "TrajectoryFileError"]
+__all__ = ["read_jsonl", "write_jsonl", "parse_record", "TrajectoryFileError", "TrajectoryRecordError"]
 
 _KEYS = ("tokens", "tree", "loss_mask", "advantage", "logprobs", "ref_logprobs", "weight", "reward")
 
@@ -34,26 +34,41 @@ class TrajectoryFileError(ValueError):
     """A TRAJ.jsonl file that cannot be read; the message names the file, the line and the problem."""
 
 
-def _parse(obj, where: str) -> Trajectory:
+class TrajectoryRecordError(TrajectoryFileError):
+    """One record (a parsed line) that is not a trajectory; the message names the key, not where the record is.
+    `field` is the offending key when the message does not name it already (None otherwise)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_record(obj) -> Trajectory:
+    """One TRAJ.jsonl record (a JSON value) as a Trajectory; raises TrajectoryRecordError naming the key."""
     if not isinstance(obj, dict):
-        raise TrajectoryFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise TrajectoryRecordError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = [k for k in obj if k not in _KEYS]
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(key, _KEYS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f" (allowed: {', '.join(_KEYS)})"
-        raise TrajectoryFileError(f"{where}: unknown key '{key}'{hint}")
+        raise TrajectoryRecordError(f"unknown key '{key}'{hint}")
     if "tokens" not in obj:
-        raise TrajectoryFileError(f"{where}: missing required key 'tokens'")
+        raise TrajectoryRecordError("missing required key 'tokens'")
     tokens = obj["tokens"]
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise TrajectoryFileError(f"{where}: 'tokens' must be a non-empty list of integers")
+        raise TrajectoryRecordError("'tokens' must be a non-empty list of integers")
     tree = obj.get("tree")
     if tree is not None and (not isinstance(tree, (str, int)) or isinstance(tree, bool)):
-        raise TrajectoryFileError(f"{where}: 'tree' must be a string or an integer id, got {json.dumps(tree)}")
+        raise TrajectoryRecordError(f"'tree' must be a string or an integer id, got {json.dumps(tree)}")
     for key in ("loss_mask", "logprobs", "ref_logprobs"):
         if key in obj and not isinstance(obj[key], list):
-            raise TrajectoryFileError(f"{where}: '{key}' must be a list with one entry per token")
+            raise TrajectoryRecordError(f"'{key}' must be a list with one entry per token")
+    for key in ("weight", "reward"):
+        value = obj.get(key)
+        missing = value is None and key == "reward"  # a null reward is no reward
+        if key in obj and not missing and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise TrajectoryRecordError(f"'{key}' must be a number, got {json.dumps(value)}")
     try:
         return Trajectory(
             tokens=np.asarray(tokens, dtype=np.int64),
@@ -66,7 +81,8 @@ def _parse(obj, where: str) -> Trajectory:
             tree=obj.get("tree"),
         )
     except (ValueError, TypeError, OverflowError) as e:
-        raise TrajectoryFileError(f"{where}: {e}") from None
+        # Trajectory's messages name the argument (the key) in backticks.
+        raise TrajectoryRecordError(str(e)) from None
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:
@@ -90,7 +106,10 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TrajectoryFileError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            trajectories.append(_parse(obj, where))
+            try:
+                trajectories.append(parse_record(obj))
+            except TrajectoryRecordError as e:
+                raise TrajectoryFileError(f"{where}: {e}") from None
     if not trajectories:
         raise TrajectoryFileError(f"{path}: the file holds no trajectories (it is empty)")
     return trajectories

@@ -1,4 +1,5 @@
-"""The `[data]` section: where the job's task records come from."""
+"""The `[data]` section: where the job's records come from (task records of an RL job, trajectory records of an
+offline job) and how they are read."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class DataConfig:
     """Task records: a .jsonl or .parquet file, a glob ("data/*.jsonl", "**" recurses) or a list of them, relative
     to the config file; files are read in sorted path order. Each record becomes a task through the environment's
     task_from_record (its fields: the environment's docstring). Unset: the environment's own task generator."""
+    trajectories: str | list[str] | None = field(default=None, metadata=PATH)
+    """`[job] kind = "offline"` only: TRAJ.jsonl files (one trajectory per line, planner/jsonl.py), a glob or a list
+    of them, as for `tasks`; `train.trajectories_per_step` records make a step."""
     shuffle: bool = True
     """Shuffle the records anew every epoch (seeded); false reads them in file order."""
     seed: int | None = None
@@ -33,28 +37,38 @@ class DataConfig:
     """Records read and parsed ahead on a background thread; 0 = on the training thread."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tasks, list) and not self.tasks:
-            raise ConfigError("`data.tasks` must name at least one file or glob, or be left unset")
+        for key in ("tasks", "trajectories"):
+            value = getattr(self, key)
+            if isinstance(value, list) and not value:
+                raise ConfigError(f"`data.{key}` must name at least one file or glob, or be left unset")
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"`data.seed` must be >= 0 or unset, got {self.seed}")
         if self.epochs is not None and self.epochs < 1:
             raise ConfigError(f"`data.epochs` must be >= 1 or unset, got {self.epochs}")
         if self.prefetch < 0:
             raise ConfigError(f"`data.prefetch` must be >= 0 (0 = no background thread), got {self.prefetch}")
+        if self.tasks is not None and self.trajectories is not None:
+            raise ConfigError("`data.tasks` and `data.trajectories` are both set: an RL job reads tasks, an offline "
+                              "job trajectories; remove one")
         if self.tasks is not None:
             self.files()
+        if self.trajectories is not None:
+            self.files("trajectories")
 
-    def files(self) -> list[Path]:
-        """The record files the patterns match, sorted, each once."""
-        patterns = [self.tasks] if isinstance(self.tasks, str) else list(self.tasks or [])
+    def files(self, key: Literal["tasks", "trajectories"] = "tasks") -> list[Path]:
+        """The record files the patterns of `data.<key>` match, sorted, each once."""
+        value = getattr(self, key)
+        patterns = [value] if isinstance(value, str) else list(value or [])
+        suffixes = SUFFIXES if key == "tasks" else (".jsonl",)
         found: list[Path] = []
         for pattern in patterns:
             matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
             if not matches:
-                raise ConfigError(f"`data.tasks`: {pattern!r} matches no file")
+                raise ConfigError(f"`data.{key}`: {pattern!r} matches no file")
             for path in matches:
-                if path.suffix not in SUFFIXES:
-                    raise ConfigError(f"`data.tasks`: {path} is neither {' nor '.join(SUFFIXES)}")
+                if path.suffix not in suffixes:
+                    raise ConfigError(f"`data.{key}`: {path} is neither {' nor '.join(suffixes)}"
+                                      if len(suffixes) > 1 else f"`data.{key}`: {path} is not a {suffixes[0]} file")
                 if path not in found:
                     found.append(path)
         return sorted(found)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import app.data.tasks
 from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
@@ -20,7 +19,7 @@ from rollout.chat_template import ChatTemplate
 from rollout.envs import AnswerEnv, CalculatorEnv, Environment
 from rollout.rendered_env import RenderedEnvironment
 from tests.app.coin_env import CoinEnv
-from tests.app.jobs import write_job
+from tests.app.jobs import recording_batches, write_job
 from tests.app.test_rl_job import models_equal
 from tests.rollout.qwen_tokenizer import qwen_style_tokenizer
 
@@ -96,21 +95,7 @@ prefetch = 2
 @pytest.fixture
 def tasks_per_step(monkeypatch):
     """Every step's tasks as the job received them: {step: [coin, ...]}, one dict per run."""
-    runs: list[dict[int, list]] = []
-    take = TaskFeed.tasks
-
-    def recording(self, count, step):
-        tasks = take(self, count, step)
-        runs[-1][step] = tasks
-        return tasks
-
-    monkeypatch.setattr(app.data.tasks.TaskFeed, "tasks", recording)
-
-    def run(*args: str) -> int:
-        runs.append({})
-        return main(list(args))
-
-    return run, runs
+    return recording_batches(monkeypatch)
 
 
 def job(folder: Path, extra: str = "", **bad) -> Path:
@@ -188,13 +173,21 @@ def test_bundled_datasets_parse_and_their_demonstrations_earn_reward():
 
 
 def test_two_ranks_resume_the_records_through_the_distributed_checkpoint(tmp_path):
-    """Rank 0 reads the records; its data state goes into the DCP checkpoint and comes back on --resume: the run
-    equals one uninterrupted process (same trees, losses and parameters to 1e-9)."""
+    """Rank 0 reads the records; its data state goes into the DCP checkpoint and comes back on --resume: at every
+    step the run's data state is that of an uninterrupted 2-rank run and of one process (the same records in the
+    same order), its parameters are bitwise those of the uninterrupted 2-rank run, and it equals one uninterrupted
+    process (same trees, losses and parameters to 1e-9)."""
     from tests.app.test_distributed import FLOAT64_JOB, assert_same_run, launch
 
-    want, got = job(tmp_path / "one"), job(tmp_path / "two")
+    want, got, whole = job(tmp_path / "one"), job(tmp_path / "two"), job(tmp_path / "whole")
     assert main([str(want), *FLOAT64_JOB]) == 0
+    launch(whole.parent, 2, *FLOAT64_JOB, "--parallel.dp_shard=2")
     launch(got.parent, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--train.steps=1")
     out = launch(got.parent, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
     assert "resumed from" in out and "RL step   2/2" in out
     assert_same_run(got.parent, want.parent)
+    runs = [Checkpointer(folder.parent / "ck") for folder in (got, whole, want)]
+    for step in runs[0].steps():
+        data = [ck.load(ck.path(step))["data"] for ck in runs]
+        assert data[0] == data[1] == data[2], step
+    assert models_equal(runs[0].load()["model"], runs[1].load()["model"])

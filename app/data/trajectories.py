@@ -1,0 +1,66 @@
+"""An offline job's trajectories: records of `[data] trajectories` (TRAJ.jsonl lines, planner/jsonl.py) through a
+RecordFeed, each checked for the fields its objective trains on.
+
+    sft                      tokens (loss_mask, weight optional)
+    rl                       + advantage
+    rl, rl.tis_cap set       + logprobs        (behaviour log-probs of the truncated importance weights)
+    rl, rl.kl_coef > 0       + ref_logprobs    (reference log-probs of the KL term)
+
+A record that is no trajectory, or lacks a field the objective needs, is a bad record (its file, line and field;
+`data.on_bad_record`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+from app.data.config import DataConfig
+from app.data.feed import RecordFeed, open_stream
+from app.losses import PolicyLossConfig
+from planner.jsonl import TrajectoryRecordError, parse_record
+from planner.trajectory import Trajectory
+from rollout.envs.records import RecordError
+
+__all__ = ["needed_fields", "trajectory_parser", "build_trajectory_feed"]
+
+
+def needed_fields(objective: Literal["sft", "rl"], rl: PolicyLossConfig) -> dict[str, str]:
+    """The optional TRAJ.jsonl keys `objective` needs, each with the setting that needs it."""
+    if objective == "sft":
+        return {}
+    fields = {"advantage": "job.objective = 'rl' trains on the recorded advantages"}
+    if rl.tis_cap is not None:
+        fields["logprobs"] = f"rl.tis_cap = {rl.tis_cap} weights tokens by the behaviour log-probs (or set it to none)"
+    if rl.kl_coef > 0:
+        fields["ref_logprobs"] = f"rl.kl_coef = {rl.kl_coef} needs the reference log-probs"
+    return fields
+
+
+def trajectory_parser(needs: dict[str, str], vocab_size: int) -> Callable[[dict], Trajectory]:
+    """A record dict -> Trajectory; raises RecordError naming the key (also for a missing key of `needs`, and for
+    token ids the model's `vocab_size` does not have)."""
+
+    def parse(record: dict) -> Trajectory:
+        try:
+            trajectory = parse_record(record)
+        except TrajectoryRecordError as e:
+            raise RecordError(str(e), field=e.field) from None
+        largest = int(trajectory.tokens.max())
+        if largest >= vocab_size:
+            raise RecordError(f"token id {largest} is outside the model's vocabulary of {vocab_size} ids "
+                              "(the records must be tokenized with the model's tokenizer)", field="tokens")
+        for key, why in needs.items():
+            if record.get(key) is None:
+                raise RecordError(f"missing: {why}", field=key)
+        return trajectory
+
+    return parse
+
+
+def build_trajectory_feed(config: DataConfig, objective: Literal["sft", "rl"], rl: PolicyLossConfig, *,
+                          vocab_size: int, seed: int, on_skip: Callable[[str], None] | None = None) -> RecordFeed:
+    """The feed of `config.trajectories` for `objective` and a model of `vocab_size` ids (seed: the shuffle's when
+    `config.seed` is unset)."""
+    stream = open_stream(config, "trajectories", trajectory_parser(needed_fields(objective, rl), vocab_size),
+                         seed=seed, on_skip=on_skip)
+    return RecordFeed(stream, records="trajectory records", items="records")

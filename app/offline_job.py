@@ -1,0 +1,139 @@
+"""The offline job (`[job] kind = "offline"`): train on recorded trajectories instead of rollouts.
+
+    step   `train.trajectories_per_step` records of `[data] trajectories` (app.data: seeded shuffle, epochs,
+           prefetch, bad records, the position in every checkpoint) -> microbatch plan in `planner.mode`
+           -> tree execution -> SFT NLL, or the `[rl]` objective on the recorded advantages -> AdamW
+
+The RL job's machinery runs unchanged (app.rl_job._Job): one process or every rank of a torchrun launch, the main
+rank reads the step's records and plans them for the D data-parallel replicas (the records' order therefore does
+not depend on the number of ranks), the same checkpoints, --resume, stop signals, skipped steps, TensorBoard run,
+progress bars and HF export. No rollout engine and no environment are started.
+
+Objectives (`job.objective`): "sft" trains the loss_mask tokens with the RL job's SFT loss (token-mean NLL times each
+record's `weight`; tags `sft/`); "rl" runs `[rl]`'s objective as an RL step does (app.rl_job._Job._policy_updates:
+`rl.epochs` updates against the trainer's own old log-probs, truncated IS with the recorded behaviour `logprobs`
+at `rollout.temperature`, KL to the recorded `ref_logprobs`; tags `train/`) with the recorded advantages as they
+are (no GRPO grouping). A record lacking a field the objective needs is a bad record (app.data.trajectories).
+
+The run ends after `train.steps` steps, or cleanly (final checkpoint and export) when the records of the last of
+`data.epochs` epochs are used up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console
+
+from app.config import JobConfig
+from app.config_loader import ConfigError
+from app.data import RecordFeed, build_trajectory_feed
+from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
+from app.objectives import sft_loss
+from app.progress import JobProgress
+from app.rl_job import SharedBatch, _Job
+from planner.trajectory import Trajectory
+
+__all__ = ["run_offline", "OfflineProgress"]
+
+
+@dataclass
+class OfflineProgress:
+    """Completed offline steps (what a checkpoint records)."""
+
+    offline_done: int = 0
+
+    @property
+    def step(self) -> int:
+        return self.offline_done
+
+    def __str__(self) -> str:
+        return f"offline steps done {self.offline_done}"
+
+
+def record_scalars(trajectories: list[Trajectory], feed_state: dict) -> dict[str, float]:
+    """The step's records: how many, their recorded rewards (when every one has one), the data position."""
+    values = {"data/records": float(len(trajectories)), "data/epoch": float(feed_state["epoch"]),
+              "data/skipped": float(feed_state["skipped"])}
+    rewards = [t.reward for t in trajectories]
+    if all(r is not None for r in rewards):
+        values["data/reward_mean"] = float(np.mean(rewards))
+    return values
+
+
+class OfflineJob(_Job):
+    progress = OfflineProgress
+    bad_record = "bad trajectory record"
+
+    def _environment(self) -> None:
+        return None
+
+    def _feed(self) -> RecordFeed:
+        c = self.config
+        vocab_size = self.trainer.model.config.vocab_size
+        return build_trajectory_feed(c.data, c.job.objective, c.rl, vocab_size=vocab_size, seed=c.train.seed,
+                                     on_skip=self._print)
+
+    def _records(self, step: int) -> SharedBatch:
+        """(main rank) Offline step `step` (0-based): its records, planned for the D replicas."""
+        c = self.config
+        trajectories = self.data.next_batch(c.train.trajectories_per_step, step + 1)
+        try:
+            return self._planned(trajectories, record_scalars(trajectories, self.data.stream.state_dict()))
+        except ValueError as e:  # a record longer than a duplicate-mode microbatch, fewer records than replicas
+            raise ConfigError(f"`planner.capacity` = {c.planner.capacity}, planner.mode = {c.plan_mode!r}, "
+                              f"{len(trajectories)} records on {self.trainer.dp} replicas: {e}") from None
+
+    def _total_steps(self) -> int:
+        """(main rank) `train.steps`, or fewer when the records of `data.epochs` epochs run out before."""
+        c = self.config
+        stream = self.data.stream
+        if stream.epochs is None:
+            return c.train.steps
+        return min(c.train.steps, stream.epochs * stream.records_per_epoch // c.train.trajectories_per_step)
+
+    def phases(self, bars: JobProgress) -> None:
+        c = self.config
+        total = self.trainer.share(self._total_steps)
+        if self.done.offline_done >= total:
+            return
+        sft = c.job.objective == "sft"
+        prefix = "sft" if sft else "train"
+        task = bars.phase("offline", total, self.done.offline_done)
+        every = max(1, total // 10)
+        for s in range(self.done.offline_done, c.train.steps):
+            start = time.perf_counter()
+            shared = self.trainer.share(lambda: self._records(s))
+            label = f"offline step {s + 1}"
+            with self.first_step.step("offline", label):
+                if sft:
+                    microbatches = self._prepare(shared, "token-mean")
+                    update = self._update(microbatches, sft_loss(self.router), self._lr(c.train.lr, s), 1.0, label)
+                else:
+                    update, _ = self._policy_updates(shared, s, label, bars)
+            self.done.offline_done = s + 1
+            values = {**shared.scalars, f"{prefix}/lr": update.lr, f"{prefix}/skipped": float(update.skipped),
+                      "time/forward": update.metrics.forward_seconds,
+                      "time/backward": update.metrics.backward_seconds,
+                      "time/optimizer": update.optimizer_seconds, "time/step": time.perf_counter() - start}
+            if math.isfinite(update.step["loss"]):
+                values.update(plan_scalars(update.step, shared.planner_seconds))
+                values.update(sft_scalars(update.step) if sft else
+                              train_scalars(update.step, update.grad_norm, update.expert_counts))
+            if sft and update.grad_norm is not None:
+                values["sft/grad_norm"] = update.grad_norm
+            self._log(values)
+            bars.advance(task, info=f"loss {values.get(f'{prefix}/loss', float('nan')):+.4f}")
+            if (s + 1) % every == 0 or s + 1 == total:
+                bars.print(offline_line(s + 1, total, values, prefix), soft_wrap=True)
+            if self._checkpoint_due():
+                self.save()
+            self._step_done(update.skipped)
+
+
+def run_offline(config: JobConfig, console: Console | None = None) -> int:
+    """Run the offline job of `config` in this process (one of the ranks under torchrun); returns the exit code."""
+    return OfflineJob.start(config, console)
