@@ -50,12 +50,8 @@ from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
 
-<<<<<<< HEAD
-__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_episodes", "check_engine", "check_trainer", "check_outputs",
-           "vllm_cpu_version"]
-=======
-__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_outputs", "vllm_cpu_version"]
->>>>>>> h-offline
+__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_trainer",
+           "check_outputs", "vllm_cpu_version"]
 
 #: Tasks drawn to check the environment's episodes.
 SAMPLE_TASKS = 16
@@ -76,9 +72,11 @@ def check_rl_job(config: JobConfig) -> list[str]:
 
 
 def check_offline_job(config: JobConfig) -> list[str]:
-    """The checks of an offline job (no environment, no engine: the output folders and their disks); raises
-    ConfigError, returns the warnings (none)."""
-    check_outputs(config, architecture(config.model), _node_share())
+    """The checks of an offline job (no environment, no engine: the trainer's kernels, the output folders and their
+    disks); raises ConfigError, returns the warnings (none)."""
+    arch = architecture(config.model)
+    check_trainer(config, arch, gdn_backward_limit())
+    check_outputs(config, arch, _node_share())
     return []
 
 
