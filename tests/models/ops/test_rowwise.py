@@ -81,3 +81,39 @@ def test_fused_rms_norm_refuses_bad_shapes():
         rms_norm_fused.check(x, torch.zeros(D + 1), None)
     with pytest.raises(ValueError, match="`residual` must match"):
         rms_norm_fused.check(x, torch.zeros(D), torch.zeros(3, D, dtype=torch.float64))
+
+
+def test_moe_combine_reference_equals_the_replaced_code(monkeypatch):
+    """`models.moe.Experts`' combine before the dispatcher: products in y.dtype, an upcast sum over the k slots."""
+    import models.ops.combine.fused as combine_fused
+    from models.ops import moe_combine
+    from models.ops.combine import naive_moe_combine
+
+    monkeypatch.setattr(combine_fused, "fused_moe_combine", refuse)
+    gen = torch.Generator().manual_seed(4)
+    T, k = 9, 3
+    y = torch.randn(T * k, D, generator=gen).bfloat16()
+    slot = torch.randperm(T * k, generator=gen).view(T, k)
+    w = torch.rand(T, k, generator=gen)
+    expected = (y[slot.reshape(-1)].view(T, k, -1) * w.bfloat16()[:, :, None]).sum(1, dtype=torch.float32).bfloat16()
+    assert torch.equal(naive_moe_combine(y, slot, w), expected)
+    assert torch.equal(moe_combine(y, slot, w), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_kda_decay_reference_equals_the_replaced_code(dtype, monkeypatch):
+    """`models.kda.KimiDeltaAttention.activate`'s gate before the dispatcher."""
+    import models.ops.gate as gate
+    from models.ops import kda_decay
+    from models.ops.gate import naive_kda_decay
+
+    monkeypatch.setattr(gate, "fused_kda_decay", refuse)
+    gen = torch.Generator().manual_seed(5)
+    T, H, K = 6, 2, 8
+    f = torch.randn(T, H * K, generator=gen).to(dtype)
+    A_log = torch.rand(1, 1, H, 1, generator=gen).to(dtype)
+    dt_bias = torch.randn(H * K, generator=gen).to(dtype)
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = -A_log.to(up).exp().view(H, 1) * F.softplus((f.to(up) + dt_bias.to(up)).view(T, H, K))
+    assert torch.equal(naive_kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
+    assert torch.equal(kda_decay(f.view(T, H, K), A_log, dt_bias), expected)

@@ -1,6 +1,7 @@
-"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual, own Triton kernels),
-SwiGLU and the sigmoid gate (fla), forward and every gradient; and row independence: a row's output (and input
-gradient) is bitwise the same in a call of 7 rows, of 5,000 rows, and after a shuffle.
+"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual) and the MoE combine
+(own Triton kernels), SwiGLU, the sigmoid gate and the KDA decay gate (fla), forward and every gradient; and row
+independence: a row's output (and input gradient) is bitwise the same in a call of 7 rows, of 5,000 rows, and
+after a shuffle.
 
 Tolerances (relative RMS error against the reference in the same dtype): fp32 1e-5 outputs and gradients (the
 reductions' order differs); bf16 1e-2 outputs, 2e-2 gradients (the fused paths round once where the references
@@ -10,6 +11,9 @@ round two or three times). The residual sum itself is bitwise equal (one roundin
 import pytest
 import torch
 
+from models.ops.combine import naive_moe_combine
+from models.ops.combine.fused import fused_moe_combine
+from models.ops.gate import fused_kda_decay, naive_kda_decay
 from models.ops.glu import fused_sigmoid_gate, fused_swiglu, naive_sigmoid_gate, naive_swiglu
 from models.ops.rmsnorm import naive_rms_norm
 from models.ops.rmsnorm.fused import fused_rms_norm
@@ -132,3 +136,73 @@ def test_rows_do_not_depend_on_the_other_rows(op):
         for name, a, b in zip(("y", "dx", "dr"), run(rows), full):
             diff = (a.float() - b[rows].float()).abs().max().item()
             assert torch.equal(a, b[rows]), f"{op} {name} ({len(rows)} rows): max abs diff {diff:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_moe_combine_matches_reference(dtype):
+    T, k, D = 501, 8, 1536
+    y = randn(T * k, D, dtype=dtype, seed=0)
+    slot = torch.randperm(T * k, generator=torch.Generator().manual_seed(0)).view(T, k).cuda()
+    w = torch.rand(T, k, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+    out, grads = outputs_and_grads(lambda y_, w_: fused_moe_combine(y_, slot, w_), [y, w])
+    out_ref, grads_ref = outputs_and_grads(lambda y_, w_: naive_moe_combine(y_, slot, w_), [y, w])
+    tol_out, tol_grad = TOLERANCES[dtype]
+    assert_close("out", out[0], out_ref[0], tol_out)
+    for name, a, b in zip(("dy", "dweights"), grads, grads_ref):
+        assert_close(name, a, b, tol_grad)
+
+
+def test_moe_combine_rows_do_not_depend_on_the_other_rows():
+    """A row's combined output and weight gradients are bitwise equal in calls of 7 and 5,000 rows, and shuffled."""
+    T, k, D = 5000, 8, 1536
+    y = randn(T * k, D, dtype=torch.bfloat16, seed=0)
+    w = torch.rand(T, k, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+    dout = randn(T, D, dtype=torch.bfloat16, seed=2)
+
+    def run(rows):
+        """The chosen rows' k expert rows, packed densely in slot order, then combined."""
+        y_rows = y.view(T, k, D)[rows].reshape(-1, D).requires_grad_(True)
+        w_rows = w[rows].requires_grad_(True)
+        slot = torch.arange(len(rows) * k, device="cuda").view(-1, k)
+        out = fused_moe_combine(y_rows, slot, w_rows)
+        dy, dw = torch.autograd.grad(out, [y_rows, w_rows], dout[rows])
+        return out, dy.view(-1, k, D), dw
+
+    full = run(torch.arange(T, device="cuda"))
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(0)).cuda()
+    for rows in (torch.arange(7, device="cuda"), perm):
+        for name, a, b in zip(("out", "dy", "dweights"), run(rows), full):
+            assert torch.equal(a, b[rows]), f"{name} ({len(rows)} rows) differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_kda_decay_matches_reference(dtype):
+    T, H, K = 1001, 4, 128
+    f = randn(T, H, K, dtype=dtype, seed=0, scale=2.0)
+    A_log = (torch.rand(1, 1, H, 1, generator=torch.Generator().manual_seed(0)) * 2).to(dtype).cuda()
+    dt_bias = randn(H * K, dtype=dtype, seed=1)
+    out, grads = outputs_and_grads(fused_kda_decay, [f, A_log, dt_bias])
+    out_ref, grads_ref = outputs_and_grads(naive_kda_decay, [f, A_log, dt_bias])
+    tol_out, tol_grad = TOLERANCES[dtype]
+    assert_close("g", out[0], out_ref[0], tol_out)
+    for name, a, b in zip(("df", "dA_log", "ddt_bias"), grads, grads_ref):
+        assert_close(name, a, b, tol_grad)
+
+
+def test_kda_decay_rows_do_not_depend_on_the_other_rows():
+    T, H, K = 5000, 16, 128
+    f = randn(T, H, K, dtype=torch.bfloat16, seed=0, scale=2.0)
+    A_log = torch.rand(1, 1, H, 1, generator=torch.Generator().manual_seed(0)).bfloat16().cuda()
+    dt_bias = randn(H * K, dtype=torch.bfloat16, seed=1)
+    dg = randn(T, H, K, dtype=torch.float32, seed=2)
+
+    def run(rows):
+        f_rows = f[rows].requires_grad_(True)
+        g = fused_kda_decay(f_rows, A_log, dt_bias)
+        return g, torch.autograd.grad(g, f_rows, dg[rows])[0]
+
+    full = run(torch.arange(T, device="cuda"))
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(0)).cuda()
+    for rows in (torch.arange(7, device="cuda"), perm):
+        for name, a, b in zip(("g", "df"), run(rows), full):
+            assert torch.equal(a, b[rows]), f"{name} ({len(rows)} rows) differs"
