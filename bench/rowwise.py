@@ -7,7 +7,8 @@ Ops (widths from the preset): `rms_norm` over the model dim (the decoder's pre-n
 the mixer's residual add fused (`rms_norm+residual`), over the MLA kv latent (`rms_norm latent`, MLA presets) or a
 head (`rms_norm head`, gated-attention presets: q/k norm); `swiglu` of the dense FFN, of the routed experts (rows x
 top-k pairs, the two halves of the gate|up product read in place) and of the shared expert; `sigmoid_gate` of the
-gated attention output (gated-attention presets). Each row: the reference and fused times in ms (medians over
+gated attention output (gated-attention presets); `kda_decay`, KDA's per-channel decay gate (KDA presets);
+`moe_combine`, the weighted sum of each row's top-k expert rows (MoE presets). Each row: the reference and fused times in ms (medians over
 `--iters` after two warm-ups, `bench.layers.timed`), their ratio reference / fused, and the fused path's relative
 error against the reference. Backward runs from a fixed random output gradient.
 """
@@ -22,7 +23,9 @@ import torch
 
 import models
 from bench.layers import rel, timed
-from models.config import GatedAttentionConfig, MLAConfig
+from models.config import GatedAttentionConfig, KDAConfig, MLAConfig
+from models.ops.combine import naive_moe_combine
+from models.ops.gate import fused_kda_decay, naive_kda_decay
 from models.ops.glu import fused_sigmoid_gate, fused_swiglu, naive_sigmoid_gate, naive_swiglu
 from models.ops.rmsnorm import naive_rms_norm
 
@@ -39,6 +42,7 @@ def glu_halves(impl: Callable) -> Callable:
 
 def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Callable, list[torch.Tensor]]]:
     """(name, reference, fused, bf16 CUDA inputs) for the preset's row-wise ops."""
+    from models.ops.combine.fused import fused_moe_combine
     from models.ops.rmsnorm.fused import fused_rms_norm
 
     D, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
@@ -66,6 +70,11 @@ def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Ca
         out.append(("rms_norm head", norm(naive_rms_norm, eps, zc, False), norm(fused_rms_norm, eps, zc, False),
                     [randn(rows, H, K), weight(K)]))
         out.append(("sigmoid_gate", naive_sigmoid_gate, fused_sigmoid_gate, [randn(rows, H * K), randn(rows, H * K)]))
+    linear = config.linear_attention
+    if isinstance(linear, KDAConfig):
+        H, K = linear.num_heads, linear.head_dim
+        A_log = (torch.rand(1, 1, H, 1, generator=g, device="cuda") * 2.7).bfloat16()
+        out.append(("kda_decay", naive_kda_decay, fused_kda_decay, [randn(rows, H, K), A_log, randn(H * K)]))
     if "dense" in config.ffn_types:
         F_ = config.dense_ffn.intermediate_size
         out.append(("swiglu dense", glu_halves(naive_swiglu), glu_halves(fused_swiglu), [randn(rows, 2 * F_)]))
@@ -76,6 +85,13 @@ def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Ca
         if m.shared_expert_intermediate_size:
             S = m.shared_expert_intermediate_size
             out.append(("swiglu shared", glu_halves(naive_swiglu), glu_halves(fused_swiglu), [randn(rows, 2 * S)]))
+        slot = torch.randperm(rows * m.top_k, generator=g, device="cuda").view(rows, m.top_k)
+
+        def combine(impl):
+            return lambda y, w: impl(y, slot, w)
+
+        out.append(("moe_combine", combine(naive_moe_combine), combine(fused_moe_combine),
+                    [randn(rows * m.top_k, D), torch.rand(rows, m.top_k, generator=g, device="cuda")]))
     return out
 
 
