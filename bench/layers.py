@@ -1,12 +1,12 @@
-"""Per-layer GPU check: fast path (fla kernels, varlen flash attention, grouped-GEMM experts) against the plain-torch
-reference path, forward and backward, on one layer of each kind of a preset, in bf16.
+"""Per-layer GPU check: fast path (fla kernels, varlen flash attention, grouped-GEMM experts, fused row-wise ops)
+against the plain-torch reference path, forward and backward, on one layer of each kind of a preset, in bf16.
 
     python -m bench.layers [--preset ling-3-tiny] [--tokens 8192] [--seq-len 2048] [--kinds kda mla dense moe]
                            [--iters 5] [--out FILE.md]
 
 Each kind runs one decoder component at the preset's sizes on `--tokens` packed rows (sequences of `--seq-len`):
 `kda`/`gdn`/`mla`/`gated` the token mixer, `dense`/`moe` the FFN. Inputs and parameters are bf16. The reference path
-swaps the dispatchers for the plain-torch ops (naive chunkwise delta rule, naive conv and gated norm, dense-mask
+swaps the dispatchers for the plain-torch ops (naive chunkwise delta rule, naive conv and norms, SwiGLU and gate, dense-mask
 softmax attention, per-expert loop); both paths see the same inputs and weights. Errors are relative Frobenius norms
 of the fast result against the reference one: output, input gradient, and the worst parameter gradient.
 Times are medians over `--iters` after two warm-ups (the first fla call compiles and autotunes for minutes).
@@ -26,6 +26,7 @@ import torch
 
 import models
 import models.attention_core as attention_core
+import models.ffn
 import models.gated_attention
 import models.gdn
 import models.kda
@@ -38,8 +39,10 @@ from models.decoder import DecoderLayer, flat_context
 from models.experts import naive_expert_swiglu
 from models.ops.conv import naive_causal_conv1d
 from models.ops.gdn import naive_chunk_gdn
+from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.kda import naive_chunk_kda
 from models.ops.norm import naive_rms_norm_gated
+from models.ops.rmsnorm import naive_rms_norm
 
 KINDS = ("kda", "gdn", "mla", "gated", "dense", "moe")
 
@@ -59,6 +62,9 @@ def reference_ops():
         (models.gated_attention, "attention", _reference_attention),
         (models.mla, "attention", _reference_attention),
         (models.moe, "expert_swiglu", naive_expert_swiglu),
+        (models.norms, "rms_norm", naive_rms_norm),
+        (models.ffn, "swiglu", naive_swiglu),
+        (models.gated_attention, "sigmoid_gate", naive_sigmoid_gate),
     ]
     saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in patches]
     try:

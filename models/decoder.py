@@ -100,7 +100,8 @@ def mixer_attribute(config: ModelConfig, layer_type: str) -> str:
 
 
 class DecoderLayer(nn.Module):
-    """x = x + mixer(input_layernorm(x)); x = x + mlp(post_attention_layernorm(x))."""
+    """x = x + mixer(input_layernorm(x)); x = x + mlp(post_attention_layernorm(x)), the first residual add inside
+    `post_attention_layernorm` (`RMSNorm` with a residual)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -140,8 +141,8 @@ class DecoderLayer(nn.Module):
     def _residual_blocks(
         self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext
     ) -> tuple[torch.Tensor, MoEStats | None]:
-        x_TD = x_TD + ctx.mix(self.mixer, self.input_layernorm(x_TD))
-        h_TD = self.post_attention_layernorm(x_TD)
+        # The mixer's residual add is fused into the second norm (one pass on CUDA), which returns the sum too.
+        h_TD, x_TD = self.post_attention_layernorm(ctx.mix(self.mixer, self.input_layernorm(x_TD)), x_TD)
         if self.ffn_type == "moe":
             h_TD, stats = self.mlp(h_TD, ctx.row_weight)
         else:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.ops.glu import naive_swiglu, swiglu
+
 
 def naive_expert_swiglu(
     x_MD: torch.Tensor, gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor, counts_E: torch.Tensor
@@ -27,7 +29,7 @@ def naive_expert_swiglu(
     for e, n in enumerate(counts_E.tolist()):
         if n:
             gate, up = F.linear(x_MD[start : start + n], gate_up_E2FD[e]).chunk(2, dim=-1)
-            out[start : start + n] = F.linear(F.silu(gate) * up, down_EDF[e])
+            out[start : start + n] = F.linear(naive_swiglu(gate, up), down_EDF[e])
             start += n
     return out
 
@@ -35,10 +37,11 @@ def naive_expert_swiglu(
 def expert_swiglu(
     x_MD: torch.Tensor, gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
-    """As `naive_expert_swiglu`; on CUDA in bf16 it runs `torch._grouped_mm` (one launch per projection)."""
+    """As `naive_expert_swiglu`; on CUDA in bf16 it runs `torch._grouped_mm` (one launch per projection) and fla's
+    fused `swiglu` on the two halves of the gate|up product (`models.ops.glu`, read in place)."""
     if not (x_MD.is_cuda and x_MD.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return naive_expert_swiglu(x_MD, gate_up_E2FD, down_EDF, counts_E)
     offsets = counts_E.cumsum(0).to(torch.int32)
     gate_up_M2F = torch._grouped_mm(x_MD, gate_up_E2FD.transpose(1, 2), offs=offsets)
     gate, up = gate_up_M2F.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, down_EDF.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(swiglu(gate, up), down_EDF.transpose(1, 2), offs=offsets)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from models.ops.glu import swiglu
 
 
 class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj x) * up_proj x), names as transformers' `Qwen3NextMLP` / `KimiLinearMLP`."""
+    """down_proj(silu(gate_proj x) * up_proj x), names as transformers' `Qwen3NextMLP` / `KimiLinearMLP`; the
+    activation product is `models.ops.glu.swiglu` (one fused pass on CUDA)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -17,4 +19,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(swiglu(self.gate_proj(x_TD), self.up_proj(x_TD)))

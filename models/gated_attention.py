@@ -14,6 +14,7 @@ from torch import nn
 from models.attention_core import AttentionRows, attention
 from models.config import GatedAttentionConfig
 from models.norms import RMSNorm
+from models.ops.glu import sigmoid_gate
 from models.rope import apply_rope, rope_cos_sin
 
 
@@ -51,7 +52,7 @@ class GatedAttention(nn.Module):
 
     def output(self, o_THK: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         """Per-row step: o `[T, H, K]` * sigmoid(gate) -> o_proj -> `[T, D]`."""
-        o_TX = o_THK.reshape(o_THK.shape[0], -1) * torch.sigmoid(rows.gate)
+        o_TX = sigmoid_gate(rows.gate, o_THK.reshape(o_THK.shape[0], -1))
         return self.o_proj(o_TX)
 
     def forward(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor, mask) -> torch.Tensor:

@@ -15,14 +15,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.config import KDAConfig
 from models.linear_attention import CoreInputs, LinearAttention, l2norm
 from models.norms import GatedRMSNorm
-from models.dtypes import upcast
 from models.ops import kda_core
+from models.ops.gate import kda_decay
 
 
 @dataclass
@@ -88,15 +87,13 @@ class KimiDeltaAttention(LinearAttention):
         return KDARows(qkv_TC, f, self.b_proj(x_TD), gate)
 
     def activate(self, rows: KDARows, qkv_TC: torch.Tensor) -> CoreInputs:
-        """Step 3 (per row): split heads, l2norm q/k, per-channel g = -exp(A_log) softplus(f + dt_bias),
-        beta = sigmoid(b)."""
+        """Step 3 (per row): split heads, l2norm q/k, per-channel g = -exp(A_log) softplus(f + dt_bias)
+        (`models.ops.gate.kda_decay`, fp32), beta = sigmoid(b)."""
         c = self.config
         T = qkv_TC.shape[0]
         q, k, v = (t.reshape(T, c.num_heads, c.head_dim) for t in qkv_TC.chunk(3, dim=-1))
         fg = self.forget_gate
-        dtype = upcast(rows.f.dtype)
-        f_THK = (rows.f.to(dtype) + fg.dt_bias.to(dtype)).view(T, c.num_heads, c.head_dim)
-        g_THK = -fg.A_log.to(dtype).exp().view(c.num_heads, 1) * F.softplus(f_THK)
+        g_THK = kda_decay(rows.f.reshape(T, c.num_heads, c.head_dim), fg.A_log, fg.dt_bias)
         return CoreInputs(q=l2norm(q), k=l2norm(k), v=v, g=g_THK, beta=torch.sigmoid(rows.b))
 
     def output(self, o_THK: torch.Tensor, rows: KDARows) -> torch.Tensor:

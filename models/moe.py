@@ -42,6 +42,7 @@ from models.config import MoEConfig
 from models.dtypes import upcast
 from models.experts import expert_swiglu
 from models.ffn import SwiGLU
+from models.ops.combine import moe_combine
 
 
 @dataclass
@@ -181,9 +182,10 @@ class Experts(nn.Module):
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype.
 
-        The k weighted expert outputs of a row are multiplied in x.dtype and summed in the upcast dtype, in a fixed
-        order: a permutation back to (row, slot) order replaces an atomic scatter-add, so CUDA results are
-        deterministic and bf16 rows are rounded once, not once per expert.
+        The k weighted expert outputs of a row are summed in the upcast dtype in a fixed order
+        (`models.ops.combine.moe_combine`, one fused pass on CUDA): a permutation back to (row, slot) order replaces
+        an atomic scatter-add, so CUDA results are deterministic and bf16 rows are rounded once, not once per
+        expert.
         """
         T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
@@ -194,8 +196,7 @@ class Experts(nn.Module):
         y_MD = expert_swiglu(x_TD[order // k], self.gate_up_proj, self.down_proj, counts_E)
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
-        y_TkD = y_MD[slot_of_row].view(T, k, -1) * routing.weights.to(x_TD.dtype)[:, :, None]
-        return y_TkD.sum(1, dtype=upcast(x_TD.dtype)).to(x_TD.dtype)
+        return moe_combine(y_MD, slot_of_row.view(T, k), routing.weights)
 
 
 class MoE(nn.Module):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.dtypes import upcast
 from models.ops import gated_rms_norm
+from models.ops.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * scale, computed in fp32 (float64 for float64) and cast back to x.dtype.
+    """y = s / rms(s) * scale of s = x (+ residual), computed in fp32 (float64 for float64) and cast back to x.dtype
+    (`models.ops.rmsnorm`: fused Triton pass on CUDA, plain torch otherwise).
 
     scale = 1 + weight with weight initialised to 0 when `zero_centered` (Qwen3-Next's `Qwen3NextRMSNorm`), else
     weight initialised to 1 (Kimi-Linear's `KimiLinearRMSNorm`, which casts before multiplying by the weight; the two
@@ -29,12 +30,13 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        dtype = upcast(x_TD.dtype)
-        x = x_TD.to(dtype)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = 1.0 + self.weight.to(dtype) if self.zero_centered else self.weight.to(dtype)
-        return (x * scale).to(x_TD.dtype)
+    def forward(
+        self, x_TD: torch.Tensor, residual_TD: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x `[..., D]` -> y `[..., D]`; with a residual `[..., D]` -> (y, s): the norm of s = x + residual (rounded
+        to x.dtype, the stream the decoder carries on) and s itself."""
+        y, s = rms_norm(x_TD, self.weight, self.eps, self.zero_centered, residual_TD)
+        return y if residual_TD is None else (y, s)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"

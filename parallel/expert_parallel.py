@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.decoder import HybridForCausalLM
-from models.dtypes import upcast
 from models.experts import expert_swiglu
 from models.moe import Experts, MoE, MoEStats, Routing
+from models.ops import moe_combine
 from parallel.collectives import all_to_all_rows, copy_to_group, reduce_from_group
 from parallel.local_params import LocalParams, replicate_param, shard_param, swap_class
 from parallel.tensor_parallel import shard_swiglu
@@ -63,15 +63,14 @@ class EPExperts(LocalParams, Experts):
 
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """As `Experts.forward`: sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype."""
-        (T, k), D = routing.experts.shape, x_TD.shape[1]
+        T, k = routing.experts.shape
         flat_expert = routing.experts.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         counts_E = torch.bincount(flat_expert, minlength=self.num_experts)
         y_MD = self.dispatched_swiglu(x_TD[order // k], counts_E)
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
-        y_TkD = y_MD[slot_of_row].view(T, k, D) * routing.weights.to(x_TD.dtype)[:, :, None]
-        return y_TkD.sum(1, dtype=upcast(x_TD.dtype)).to(x_TD.dtype)
+        return moe_combine(y_MD, slot_of_row.view(T, k), routing.weights)
 
     def dispatched_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Pairs `[M, D]` sorted by expert, counts `[E]` -> expert outputs `[M, D]` in the same order."""
