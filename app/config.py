@@ -197,6 +197,10 @@ class TrainConfig:
     models/ops/kernel_cache.py), reused by later runs: the first step of a run on an empty folder compiles and
     autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside `checkpoint.dir`
     (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
+    fused_rowwise: bool = False
+    """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
+    Triton kernels (models/ops, `set_fused_rowwise`) instead of their plain-torch references. Experimental, off by
+    default until the bf16 tree-vs-flat fidelity is measured with them (bench/RESULTS.md). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

@@ -36,6 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
+from models.ops.dispatch import set_fused_rowwise
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
@@ -477,6 +478,8 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=None, help="compact rows per carry microbatch (--mode carry)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_kernel_cache_option(parser)
+    parser.add_argument("--fused-rowwise", action="store_true",
+                        help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
     args = parser.parse_args(argv)
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
@@ -490,6 +493,7 @@ def main(argv=None) -> int:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
     if args.device == "cuda":
         open_kernel_cache(args)
+        set_fused_rowwise(args.fused_rowwise)
     try:
         result = run(args)
     except ValueError as e:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
+from models.ops.dispatch import set_fused_rowwise
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
@@ -404,12 +405,15 @@ def main(argv=None) -> int:
     parser.add_argument("--no-recompute", action="store_true")
     parser.add_argument("--json", help="also write results to this file")
     add_kernel_cache_option(parser)
+    parser.add_argument("--fused-rowwise", action="store_true",
+                        help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     if device.type == "cuda":
         open_kernel_cache(args)
+        set_fused_rowwise(args.fused_rowwise)
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
@@ -431,6 +435,7 @@ def main(argv=None) -> int:
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": not args.no_recompute, "carry_resident": args.carry_resident,
+        "fused_rowwise": args.fused_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": cost,

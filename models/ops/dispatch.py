@@ -16,3 +16,21 @@ os.environ.setdefault("FLA_TENSOR_CACHE_SIZE", "64")
 
 def use_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype != torch.float64
+
+
+_fused_rowwise = False
+
+
+def set_fused_rowwise(enabled: bool) -> None:
+    """Turn the fused row-wise paths (issue #20: `rmsnorm`, `glu`, `gate`, `combine`) on or off for this process.
+
+    Off by default: their accuracy against the references is measured on the H200 for RMSNorm only, and the bf16
+    tree-vs-flat fidelity (`bench.fidelity --per-layer`) has not been measured with them yet (bench/RESULTS.md,
+    session 7). The RL job sets it from `train.fused_rowwise`, the benchmarks from `--fused-rowwise`."""
+    global _fused_rowwise
+    _fused_rowwise = bool(enabled)
+
+
+def use_fused_rowwise(x: torch.Tensor) -> bool:
+    """The fused row-wise path for `x`: switched on (`set_fused_rowwise`) and a tensor the kernels take."""
+    return _fused_rowwise and use_fla(x)

@@ -1,12 +1,12 @@
 """MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA and `naive_moe_combine` otherwise."""
 
-from models.ops.dispatch import use_fla
+from models.ops.dispatch import use_fused_rowwise
 from models.ops.combine.naive import naive_moe_combine
 
 
 def moe_combine(y_MD, slot_Tk, weights_Tk):
     """Signature and returns of `models.ops.combine.naive.naive_moe_combine`."""
-    if use_fla(y_MD):
+    if use_fused_rowwise(y_MD):
         from models.ops.combine.fused import fused_moe_combine
 
         return fused_moe_combine(y_MD, slot_Tk, weights_Tk)

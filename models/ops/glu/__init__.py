@@ -1,18 +1,18 @@
 """Gated linear units: `swiglu` and `sigmoid_gate` run fla's fused kernels on CUDA and the references otherwise."""
 
-from models.ops.dispatch import use_fla
+from models.ops.dispatch import use_fused_rowwise
 from models.ops.glu.fused import fused_sigmoid_gate, fused_swiglu
 from models.ops.glu.naive import naive_sigmoid_gate, naive_swiglu
 
 
 def swiglu(gate, up):
     """Signature and returns of `models.ops.glu.naive.naive_swiglu`."""
-    return (fused_swiglu if use_fla(gate) else naive_swiglu)(gate, up)
+    return (fused_swiglu if use_fused_rowwise(gate) else naive_swiglu)(gate, up)
 
 
 def sigmoid_gate(gate, x):
     """Signature and returns of `models.ops.glu.naive.naive_sigmoid_gate`."""
-    return (fused_sigmoid_gate if use_fla(gate) else naive_sigmoid_gate)(gate, x)
+    return (fused_sigmoid_gate if use_fused_rowwise(gate) else naive_sigmoid_gate)(gate, x)
 
 
 __all__ = ["fused_sigmoid_gate", "fused_swiglu", "naive_sigmoid_gate", "naive_swiglu", "sigmoid_gate", "swiglu"]

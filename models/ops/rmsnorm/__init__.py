@@ -1,12 +1,12 @@
 """RMSNorm (+ residual): `rms_norm` runs the Triton `fused_rms_norm` on CUDA and `naive_rms_norm` otherwise."""
 
-from models.ops.dispatch import use_fla
+from models.ops.dispatch import use_fused_rowwise
 from models.ops.rmsnorm.naive import naive_rms_norm
 
 
 def rms_norm(x, weight, eps, zero_centered, residual=None):
     """Signature and returns of `models.ops.rmsnorm.naive.naive_rms_norm`."""
-    if use_fla(x):
+    if use_fused_rowwise(x):
         from models.ops.rmsnorm.fused import fused_rms_norm
 
         return fused_rms_norm(x, weight, eps, zero_centered, residual)

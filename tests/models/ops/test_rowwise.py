@@ -11,7 +11,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 import models.ops.glu as glu
 import models.ops.rmsnorm.fused as rms_norm_fused
-from models.ops import rms_norm, sigmoid_gate, swiglu
+from models.ops import dispatch, rms_norm, sigmoid_gate, swiglu
 from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.rmsnorm import naive_rms_norm
 
@@ -31,6 +31,7 @@ def tensors(dtype, *shape, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_dispatch_runs_the_references_on_cpu(dtype, monkeypatch):
+    monkeypatch.setattr(dispatch, "_fused_rowwise", True)
     monkeypatch.setattr(rms_norm_fused, "fused_rms_norm", refuse)
     monkeypatch.setattr(glu, "fused_swiglu", refuse)
     monkeypatch.setattr(glu, "fused_sigmoid_gate", refuse)
@@ -117,3 +118,15 @@ def test_kda_decay_reference_equals_the_replaced_code(dtype, monkeypatch):
     expected = -A_log.to(up).exp().view(H, 1) * F.softplus((f.to(up) + dt_bias.to(up)).view(T, H, K))
     assert torch.equal(naive_kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
     assert torch.equal(kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
+
+
+def test_fused_rowwise_is_opt_in(monkeypatch):
+    """The fused paths run only once switched on, and only on tensors the kernels take."""
+    x = torch.ones(2, 3)
+    monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
+    monkeypatch.setattr(dispatch, "_fused_rowwise", False)
+    assert not dispatch.use_fused_rowwise(x)
+    dispatch.set_fused_rowwise(True)
+    assert dispatch.use_fused_rowwise(x)
+    monkeypatch.setattr(dispatch, "use_fla", lambda t: False)
+    assert not dispatch.use_fused_rowwise(x)
