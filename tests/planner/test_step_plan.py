@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from bench.workloads import swe_like_step
 from planner.carry import CarryPlan, SortedStep
 from planner.carry_balance import Unit
 from planner.microbatch import MicrobatchPlan, plan_microbatches
@@ -84,3 +85,13 @@ def test_duplicate_groups_are_the_fewest_rows(seed):
     assert sum(g.rows for g in groups) == best
     long = Trajectory(np.arange(1, capacity + 2))
     assert duplicate_groups(SortedStep.from_trajectories([long]), Unit(0, 1, capacity + 1, 0), capacity) is None
+
+
+def test_auto_plans_the_benchmarked_carry_step_as_carry():
+    """`planner.mode = "auto"` (the default) is the mode that won `bench.speed` on its carry workload (SWE seed 5 at
+    scale 0.01: carry 10.06 s against duplicate 14.08 s, bench/RESULTS.md session 7): there it plans carry's plan."""
+    trajectories = swe_like_step(5, scale=0.01, vocab_size=157184, max_path_tokens=65536)
+    auto, carry = plan_step(trajectories, 65536, 1, "auto"), plan_step(trajectories, 65536, 1, "carry")
+    assert isinstance(auto, CarryPlan)
+    assert auto.total_compact_tokens == carry.total_compact_tokens == pack(trajectories).num_compact
+    assert [mb.compact_tokens for mb in auto.microbatches] == [mb.compact_tokens for mb in carry.microbatches]
