@@ -35,6 +35,7 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[planner]\ncapacity = 'big'\n", [], r"`planner.capacity` must be an integer"),
         ("[model]\ndtype = 'fp8'\n", [], r"`model.dtype` must be one of"),
         ("[planner]\ncapacity = 0\n", [], r"`planner.capacity` must be >= 1"),
+        ("", ["--planner.carry_resident=-1"], r"`planner.carry_resident` must be >= 0"),
         ("", ["--planner.chunk_size=x"], r"`planner.chunk_size` must be an integer"),
         ("", ["--planner=3"], r"--section.key=value"),
         ("[job]\nkind = 'plan'\n[rollout]\ntrajectories = 'missing.jsonl'\n", [], r"`rollout.trajectories`: file .*missing.jsonl does not exist"),
