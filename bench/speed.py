@@ -33,13 +33,14 @@ import time
 import numpy as np
 import torch
 
+from bench.ceiling import ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from models.ops.dispatch import set_fused_rowwise
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
+from models.ops.dispatch import set_fused_rowwise
 from models.presets import preset
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
@@ -47,6 +48,7 @@ from parallel.replica import prepare_carry_replica
 from planner.carry import plan_carry
 from planner.cost_model import CostModel
 from planner.microbatch import plan_microbatches
+from planner.pack import pack
 from planner.trajectory import Trajectory
 
 #: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
@@ -277,7 +279,34 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
                         "executed_over_trie": executed / cplan.trie_compact_tokens,
                         "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s}
         row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
+    if args.ceiling and device.type == "cuda" and fbg is not None:
+        row["ceiling"] = measure_ceiling(model, trajectories, flat_groups, groups, normalizer, args.attention, device,
+                                         fbg)
     return row, state
+
+
+def ceiling_line(workload: str, e: dict) -> str:
+    """The console line of `measure_ceiling`'s result."""
+    return (f"{workload}: exact-execution ceiling (bench.ceiling, heaviest flat and tree microbatch): tree kernels "
+            f"{e['tree_kernel_s']:.3f} s against {e['ideal_s']:.3f} s at flat's costs: the tree runs at "
+            f"{e['share']:.2f} of its ceiling, whose F/B/Grad speedup is {e['ceiling_speedup']:.2f}x")
+
+
+def measure_ceiling(model, trajectories, flat_groups, groups, normalizer, attention, device, fbg: float) -> dict:
+    """`bench.ceiling` on the step's heaviest flat and heaviest tree microbatch (each run once more, under the CUDA
+    profiler): how close the tree runs to its exact-execution ceiling (ideal / measured kernel time) and the F/B/Grad
+    speedup it would reach there (the measured one over that share)."""
+    flat_t = [trajectories[i] for i in max(flat_groups, key=lambda g: sum(len(trajectories[i]) for i in g))]
+    tree_t = [trajectories[i] for i in max(groups, key=lambda g: pack([trajectories[i] for i in g]).num_compact)]
+    batch = pack(tree_t)
+    flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
+                         flat_pairs(flat_t))
+    tree_w, _ = profiled(lambda: tree_step(model, tree_t, device, normalizer, attention), batch.num_compact,
+                         tree_pairs(batch))
+    model.zero_grad(set_to_none=True)
+    best = ideal(flat_w, tree_w)
+    share = best.share_of(tree_w)
+    return {"tree_kernel_s": tree_w.kernel_s, "ideal_s": best.seconds, "share": share, "ceiling_speedup": fbg / share}
 
 
 def fit_cost_model(states: list[dict]) -> dict:
@@ -363,6 +392,8 @@ def print_table(rows: list[dict], header: dict) -> None:
                      f"{_cell(r.get('compact_tokens'), ',')} rows in {_cell(duplicate.get('microbatches'), 'd')}),"
                      f" carry plan {c['planning_seconds']:.2f} s")
         print(line)
+        if "ceiling" in r:
+            print(ceiling_line(r["workload"], r["ceiling"]))
     c = header["cost_model"]
     if c is not None:
         print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
@@ -397,6 +428,11 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--modes", type=parse_modes, default=MODES,
                         help="comma-separated modes to time: flat, duplicate (the HARTS plan, reported as tree), carry")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="CUDA, with flat and duplicate: profile the heaviest microbatch of each and print the "
+                             "exact-execution ceiling (bench.ceiling)")
+    parser.add_argument("--no-auto", action="store_true",
+                        help="skip the auto pass that follows when flat and duplicate both run")
     parser.add_argument("--carry-resident", type=int, default=1,
                         help="carry: open microbatches whose activations stay on the GPU (planner.carry_resident)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
@@ -427,7 +463,7 @@ def main(argv=None) -> int:
     measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
     rows = [row for row, _ in measured]
     cost = None
-    if {"flat", "duplicate"} <= set(args.modes):
+    if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
         cost = fit_cost_model([state for _, state in measured])
         for row, state in measured:
             row["auto"] = run_auto(state, cost, model, args, device)

@@ -22,9 +22,8 @@ import traceback
 import warnings
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
+from bench.ceiling import KernelWork, ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
 from bench.workloads import swe_like_step
@@ -57,26 +56,14 @@ def sync_sites(fn) -> collections.Counter:
     return sites
 
 
-def kernel_seconds(prof) -> tuple[float, float]:
-    """(all device kernels and copies, the flash-attention kernels) of a profile, in seconds."""
-    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
-    total = sum(e.self_device_time_total for e in kernels)
-    flash = sum(e.self_device_time_total for e in kernels if "flash" in e.key)
-    return total / 1e6, flash / 1e6
-
-
-def overhead_line(flat: dict, tree: dict) -> str:
-    """The tree microbatch's kernel time against what it would take at the flat microbatch's cost per row for
-    everything but full attention, and per causal query-key pair for flash attention: the excess is tree overhead,
-    the rest is the work the tree really has (attention pairs shrink less than rows)."""
-    rest = (flat["kernel_s"] - flat["flash_s"]) / flat["rows"]
-    per_pair = flat["flash_s"] / flat["pairs"]
-    ideal_flash = per_pair * tree["pairs"]
-    ideal = rest * tree["rows"] + ideal_flash
-    return (f"tree kernels {tree['kernel_s']:.3f} s; at flat's cost per row (non-attention) and per query-key pair "
-            f"(flash) {ideal:.3f} s: overhead {tree['kernel_s'] - ideal:+.3f} s (flash "
-            f"{tree['flash_s'] - ideal_flash:+.3f} s, everything else "
-            f"{tree['kernel_s'] - tree['flash_s'] - rest * tree['rows']:+.3f} s)")
+def overhead_line(flat: KernelWork, tree: KernelWork) -> str:
+    """The tree microbatch's kernel time against its ideal (`bench.ceiling.ideal`): the excess is tree overhead, the
+    rest is the work the tree really has (attention pairs shrink less than rows)."""
+    best = ideal(flat, tree)
+    return (f"tree kernels {tree.kernel_s:.3f} s; at flat's cost per row (non-attention) and per query-key pair "
+            f"(flash) {best.seconds:.3f} s: overhead {tree.kernel_s - best.seconds:+.3f} s (flash "
+            f"{tree.flash_s - best.flash_s:+.3f} s, everything else "
+            f"{(tree.kernel_s - tree.flash_s) - (best.seconds - best.flash_s):+.3f} s)")
 
 
 def main(argv=None) -> int:
@@ -112,6 +99,7 @@ def main(argv=None) -> int:
         "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": flat_pairs(flat_trajs)},
         "tree": {"rows": batch.num_compact, "pairs": tree_pairs(batch)},
     }
+    measured: dict[str, KernelWork] = {}
     dump = {}
     for name, fn in modes.items():
         for run in range(2):
@@ -124,24 +112,21 @@ def main(argv=None) -> int:
         print(f"{name}: {sum(sites.values())} host synchronisations")
         for site, count in sites.most_common(10):
             print(f"  {count:5d}  {site}")
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=bool(args.json)) as prof:
-            start = time.perf_counter()
-            fn()
-            sync(dev)
-            wall = time.perf_counter() - start
-        work[name]["kernel_s"], work[name]["flash_s"] = kernel_seconds(prof)
-        print(f"{name}: wall {wall:.2f} s under the profiler, kernels {work[name]['kernel_s']:.3f} s "
-              f"(flash attention {work[name]['flash_s']:.3f} s) for {work[name]['rows']:,} rows, "
-              f"{work[name]['pairs']:.4g} query-key pairs")
+        start = time.perf_counter()
+        kw, prof = profiled(fn, work[name]["rows"], work[name]["pairs"], record_shapes=bool(args.json))
+        wall = time.perf_counter() - start
+        measured[name] = kw
+        print(f"{name}: wall {wall:.2f} s under the profiler, kernels {kw.kernel_s:.3f} s "
+              f"(flash attention {kw.flash_s:.3f} s) for {kw.rows:,} rows, {kw.pairs:.4g} query-key pairs")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
         if args.json:
-            dump[name] = {"wall_s": wall, **work[name], "ops": [
+            dump[name] = {"wall_s": wall, **dataclasses.asdict(kw), "ops": [
                 {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total, "calls": e.count}
                 for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0
             ]}
         model.zero_grad(set_to_none=True)
-    print(overhead_line(work["flat"], work["tree"]))
+    print(overhead_line(measured["flat"], measured["tree"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dump, f)

@@ -1,13 +1,16 @@
-"""bench.step_profile's overhead line: a tree microbatch that costs what flat costs per row and per attention pair
-has no overhead; extra time is attributed to flash attention or to the rest."""
+"""bench.ceiling's ideal and bench.step_profile's overhead line: a tree microbatch that costs what flat costs per row
+and per attention pair has no overhead; extra time is attributed to flash attention or to the rest; bench.speed
+prints the ceiling it measured."""
 
 from __future__ import annotations
 
 import re
 
+from bench.ceiling import KernelWork, ideal
+from bench.speed import ceiling_line
 from bench.step_profile import overhead_line
 
-FLAT = {"rows": 1000, "pairs": 4e5, "kernel_s": 3.0, "flash_s": 1.0}  # 2 ms per 1,000 rows + 2.5 ns per pair
+FLAT = KernelWork(rows=1000, pairs=4e5, kernel_s=3.0, flash_s=1.0)  # 2 ms per 1,000 rows + 2.5 ns per pair
 
 
 def numbers(line: str) -> list[float]:
@@ -15,10 +18,20 @@ def numbers(line: str) -> list[float]:
 
 
 def test_tree_at_flat_costs_has_no_overhead():
-    tree = {"rows": 500, "pairs": 1e5, "kernel_s": 1.25, "flash_s": 0.25}
+    tree = KernelWork(rows=500, pairs=1e5, kernel_s=1.25, flash_s=0.25)
     assert numbers(overhead_line(FLAT, tree)) == [1.25, 1.25, 0.0, 0.0, 0.0]
+    assert ideal(FLAT, tree).share_of(tree) == 1.0
 
 
 def test_extra_time_is_split_between_flash_and_the_rest():
-    tree = {"rows": 500, "pairs": 1e5, "kernel_s": 1.55, "flash_s": 0.35}
+    tree = KernelWork(rows=500, pairs=1e5, kernel_s=1.55, flash_s=0.35)
     assert numbers(overhead_line(FLAT, tree)) == [1.55, 1.25, 0.3, 0.1, 0.2]
+    assert abs(ideal(FLAT, tree).share_of(tree) - 1.25 / 1.55) < 1e-12
+
+
+def test_speed_prints_the_ceiling():
+    """Session 5's numbers: tree kernels 5.071 s against 4.780 s ideal, F/B/Grad 4.28x: 0.94 of a 4.54x ceiling."""
+    share = 4.780 / 5.071
+    line = ceiling_line("swe", {"tree_kernel_s": 5.071, "ideal_s": 4.780, "share": share,
+                                "ceiling_speedup": 4.28 / share})
+    assert numbers(line) == [5.071, 4.780, 0.94, 4.54]

@@ -1,0 +1,67 @@
+"""The exact-execution ceiling of tree execution (issue 20 item 6; the analysis of bench/RESULTS.md session 4).
+
+A tree microbatch's kernels against an ideal: the flat microbatch's kernel cost per row for everything but full
+attention, and per causal query-key pair for flash attention (a tree's pairs shrink less than its rows). The ideal is
+what exact tree execution cannot go below with the same kernels; the excess is what tree execution adds (gathers,
+scatters, the extra linear-attention calls). `bench.step_profile` prints the split, `bench.speed --ceiling` the
+ceiling of the speedup it measured, so that a change which speeds up flat more than the tree stays visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["KernelWork", "Ideal", "ideal", "kernel_seconds", "profiled"]
+
+
+@dataclass(frozen=True)
+class KernelWork:
+    """One microbatch's work and device time: rows executed, causal query-key pairs of its full attention, kernel
+    seconds in all and in flash attention."""
+
+    rows: float
+    pairs: float
+    kernel_s: float
+    flash_s: float
+
+
+@dataclass(frozen=True)
+class Ideal:
+    """The tree microbatch at flat's costs: `seconds` in all, of which `flash_s` flash attention."""
+
+    seconds: float
+    flash_s: float
+
+    def share_of(self, tree: KernelWork) -> float:
+        """How close the tree runs to its ceiling: ideal / measured kernel time (1 = no overhead)."""
+        return self.seconds / tree.kernel_s
+
+
+def ideal(flat: KernelWork, tree: KernelWork) -> Ideal:
+    """`tree` at `flat`'s cost per row (everything but flash attention) and per query-key pair (flash)."""
+    per_row = (flat.kernel_s - flat.flash_s) / flat.rows
+    flash = flat.flash_s / flat.pairs * tree.pairs
+    return Ideal(per_row * tree.rows + flash, flash)
+
+
+def kernel_seconds(prof) -> tuple[float, float]:
+    """(all device kernels and copies, the flash-attention kernels) of a `torch.profiler` profile, in seconds."""
+    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+    total = sum(e.self_device_time_total for e in kernels)
+    flash = sum(e.self_device_time_total for e in kernels if "flash" in e.key)
+    return total / 1e6, flash / 1e6
+
+
+def profiled(fn: Callable[[], object], rows: float, pairs: float, record_shapes: bool = False
+             ) -> tuple[KernelWork, object]:
+    """Run `fn` once under the CUDA profiler (synchronised at the end) -> its KernelWork and the profile."""
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernel_s, flash_s = kernel_seconds(prof)
+    return KernelWork(rows, pairs, kernel_s, flash_s), prof
