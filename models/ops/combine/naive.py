@@ -19,5 +19,5 @@ def naive_moe_combine(y_MD: torch.Tensor, slot_Tk: torch.Tensor, weights_Tk: tor
         bf16 rows are not rounded once per expert (as an atomic scatter-add would) and the result is deterministic.
     """
     T, k = slot_Tk.shape
-    y_TkD = y_MD[slot_Tk.reshape(-1)].view(T, k, -1) * weights_Tk.to(y_MD.dtype)[:, :, None]
+    y_TkD = y_MD[slot_Tk.reshape(-1)].view(T, k, y_MD.shape[-1]) * weights_Tk.to(y_MD.dtype)[:, :, None]
     return y_TkD.sum(1, dtype=upcast(y_MD.dtype)).to(y_MD.dtype)

@@ -11,7 +11,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 import models.ops.glu as glu
 import models.ops.rmsnorm.fused as rms_norm_fused
-from models.ops import dispatch, rms_norm, sigmoid_gate, swiglu
+from models.ops import dispatch, moe_combine, rms_norm, sigmoid_gate, swiglu
 from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.rmsnorm import naive_rms_norm
 
@@ -130,3 +130,10 @@ def test_fused_rowwise_is_opt_in(monkeypatch):
     assert dispatch.use_fused_rowwise(x)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: False)
     assert not dispatch.use_fused_rowwise(x)
+
+
+def test_moe_combine_of_no_rows():
+    """An expert-parallel rank whose slice of a microbatch is empty combines 0 rows (tests/parallel/test_tp_ep.py)."""
+    y = torch.zeros(0, 8, dtype=torch.bfloat16)
+    out = moe_combine(y, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 8) and out.dtype == torch.bfloat16
