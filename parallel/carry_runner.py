@@ -16,8 +16,9 @@ nothing.
 
 Memory: a microbatch stays open (its graph alive) from its forward to its backward. Of the microbatches that stay
 open while later forwards run, the first `resident` keep their saved activations on the device; the others' wait in
-pinned host memory (`parallel.host_offload`), so a step's peak holds at most `resident` open microbatches besides
-the running one, however many the plan keeps open.
+pinned host memory (`parallel.host_offload`), so a step's peak holds the saved activations of at most `resident`
+open microbatches besides the running one, however many the plan keeps open (exports and the gradients sent to them
+stay on the device).
 
 It runs a duplicate plan's microbatches (a list of `models.microbatch.Microbatch`) as `PlainRunner` does, so a
 trainer holds one runner whatever `planner.mode` made the step.

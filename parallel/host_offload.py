@@ -8,8 +8,9 @@ SWE-like steps a replica can have up to 10 microbatches open at once (bench/RESU
 the activations of at most `resident` open microbatches on the device and moves the others' to pinned host memory
 under `host_offload()`, copying them back when autograd unpacks them in the backward.
 
-Parameters stay where they are: a saved leaf that requires grad (a weight) is kept as saved, so FSDP2's unsharded
-parameters are neither copied nor detached from their resharding.
+Parameters and views of them stay on the device (`stays`), so FSDP2's unsharded parameters are neither copied nor
+detached from their resharding; so do integer tensors. What a microbatch exports to later ones, and the gradients
+its consumers send back, stay on the device too (`models.tree.carry.CarryExchange`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["host_offload", "offloaded_forwards"]
+__all__ = ["host_offload", "offloaded_forwards", "stays"]
+
+
+def stays(t: torch.Tensor) -> bool:
+    """Device tensors `host_offload` leaves where they are: integer tensors (indices, `cu_seqlens`: small, and fla
+    caches per-call data by their identity) and parameters or views of them (`F.linear` saves `weight.t()`, the
+    experts slices of their stacked weights)."""
+    base = t if t._base is None else t._base
+    return not t.is_floating_point() or (base.is_leaf and base.requires_grad)
 
 
 def _pack(t: torch.Tensor):
-    if t.device.type == "cpu" or (t.is_leaf and t.requires_grad):
+    if t.device.type == "cpu" or stays(t):
         return t
     host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
     host.copy_(t, non_blocking=True)

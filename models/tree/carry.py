@@ -64,8 +64,8 @@ def _join(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> tor
 
 
 class CarryTraffic:
-    """What crosses into and out of one carry forward. `read(mixer, kind)` returns the tensors of `NAMES[kind]`
-    carried in for that mixer (empty when none); `exports` are the export rows (`CarryLinks.exports`); `exported`
+    """What crosses into and out of one carry forward. `read(mixer, kind, names)` returns the tensors `names`
+    (`carried_names`: `NAMES[kind]`, MLA's attention `LATENT_NAMES`) carried in for that mixer (empty when none); `exports` are the export rows (`CarryLinks.exports`); `exported`
     collects, per mixer, what its forward exported.
 
     A plain object on purpose: FSDP2 walks the dataclasses among a unit's inputs for tensors that need gradients and

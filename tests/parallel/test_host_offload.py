@@ -8,7 +8,7 @@ import torch
 
 from parallel import host_offload
 from parallel.carry_runner import CarryRunner
-from parallel.host_offload import offloaded_forwards
+from parallel.host_offload import offloaded_forwards, stays
 from tests.models.tree.test_carry_layout import step_trees
 from tests.models.tree.test_execute import make_model
 from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
@@ -43,7 +43,7 @@ class RoundTrip:
         monkeypatch.setattr(host_offload, "_unpack", self.unpack)
 
     def pack(self, t):
-        if t.is_leaf and t.requires_grad:
+        if stays(t):
             return t
         self.packed += 1
         return ("host", t.detach().clone())
@@ -89,3 +89,24 @@ def test_offloaded_activations_are_the_ones_the_backward_reads(monkeypatch):
 def test_resident_must_not_be_negative():
     with pytest.raises(ValueError, match="resident"):
         CarryRunner(make_model("tiny-kimi-linear", torch.float64), resident=-1)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_parameters_and_their_views_stay(recompute):
+    """Of what a carry step saves for backward, `stays` lets go of no parameter, view of one or integer tensor, and
+    keeps the weights the forward saves (`F.linear`'s `weight.t()`, the experts' weight slices)."""
+    model = make_model("tiny-kimi-linear", torch.float32)
+    model.set_activation_checkpointing(recompute)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    moved, kept = [], []
+
+    def pack(t):
+        (kept if stays(t) else moved).append(t)
+        return t
+
+    trees = step_trees(model.config.chunk_size, model.config.vocab_size)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        CarryRunner(model, resident=9).train_step(prepare(trees, model), microbatch_loss)
+    assert moved and all(t.is_floating_point() for t in moved)
+    assert not any(t.untyped_storage().data_ptr() in storages for t in moved)
+    assert any(t.untyped_storage().data_ptr() in storages for t in kept), "the forward saves weights (or views)"
