@@ -1,4 +1,5 @@
-"""MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA and `naive_moe_combine` otherwise."""
+"""MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA once `set_fused_rowwise(True)`
+and `naive_moe_combine` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
 from models.ops.combine.naive import naive_moe_combine

@@ -1,4 +1,5 @@
-"""KDA decay gate: `kda_decay` runs fla's `fused_kda_gate` on CUDA and `naive_kda_decay` otherwise."""
+"""KDA decay gate: `kda_decay` runs fla's `fused_kda_gate` on CUDA once `set_fused_rowwise(True)` and
+`naive_kda_decay` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
 from models.ops.gate.fused import fused_kda_decay

@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual): `rms_norm` runs the Triton `fused_rms_norm` on CUDA and `naive_rms_norm` otherwise."""
+"""RMSNorm (+ residual): `rms_norm` runs the Triton `fused_rms_norm` on CUDA once `set_fused_rowwise(True)` and
+`naive_rms_norm` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
 from models.ops.rmsnorm.naive import naive_rms_norm
