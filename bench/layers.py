@@ -37,7 +37,10 @@ import models.norms
 from models.config import GDNConfig, GatedAttentionConfig
 from models.decoder import DecoderLayer, flat_context
 from models.experts import naive_expert_swiglu
+from models.ops.combine import naive_moe_combine
 from models.ops.conv import naive_causal_conv1d
+from models.ops.dispatch import set_fused_rowwise
+from models.ops.gate import naive_kda_decay
 from models.ops.gdn import naive_chunk_gdn
 from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.kda import naive_chunk_kda
@@ -53,7 +56,8 @@ def _reference_attention(q, k, v, mask, scale):
 
 @contextlib.contextmanager
 def reference_ops():
-    """Route every op of the model to its plain-torch reference (the dispatchers pick the fast path on CUDA)."""
+    """Route every op of the model to its plain-torch reference (the dispatchers pick the fast path on CUDA; the
+    row-wise ones only with `--fused-rowwise`)."""
     patches = [
         (models.kda.KimiDeltaAttention, "core_op", staticmethod(naive_chunk_kda)),
         (models.gdn.GatedDeltaNet, "core_op", staticmethod(naive_chunk_gdn)),
@@ -65,6 +69,8 @@ def reference_ops():
         (models.norms, "rms_norm", naive_rms_norm),
         (models.ffn, "swiglu", naive_swiglu),
         (models.gated_attention, "sigmoid_gate", naive_sigmoid_gate),
+        (models.kda, "kda_decay", naive_kda_decay),
+        (models.moe, "moe_combine", naive_moe_combine),
     ]
     saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in patches]
     try:
@@ -179,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=["kda", "mla", "dense", "moe"], choices=KINDS)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument("--fused-rowwise", action="store_true",
+                        help="the fast pass also runs the fused row-wise kernels (train.fused_rowwise)")
     args = parser.parse_args(argv)
+    set_fused_rowwise(args.fused_rowwise)
     if not torch.cuda.is_available():
         print("bench.layers needs a CUDA device", file=sys.stderr)
         return 2
