@@ -29,7 +29,8 @@ def record_units(files: Sequence[RecordFile], key: str) -> np.ndarray:
 
     A unit is a maximal run of consecutive records of one file whose `key` is the same string or integer; a record
     without one (missing, null, another type) is a unit of its own, and a record that is no JSON object belongs to
-    the unit of the record before it (a corrupt line inside a tree spoils that tree).
+    the unit of the record before it if that one has a `key` value (a corrupt line inside a tree spoils that tree),
+    else is a unit of its own.
 
     Raises:
         DataError: a `key` value starts a second run in the same file (naming both lines).
@@ -43,8 +44,8 @@ def record_units(files: Sequence[RecordFile], key: str) -> np.ndarray:
                 if row == 0 or previous is None:
                     starts.append(base + row)
                 continue
-            ident = (type(value).__name__, value) if isinstance(value, (str, int)) and not isinstance(value, bool) \
-                else None
+            keyed = isinstance(value, (str, int)) and not isinstance(value, bool)
+            ident = (type(value).__name__, value) if keyed else None
             if row == 0 or ident is None or ident != previous:
                 if ident in begun:
                     raise DataError(f"{file.where(row)}: {key} {value!r} reappears after other records (it began at "
