@@ -163,6 +163,11 @@ def test_parquet_rows_are_records(tmp_path):
     assert list(stream) == [(0, "a"), (2, "c")] and stream.skipped == 2
     with pytest.raises(DataError, match=r"t.parquet, row 1: field 'answer': missing"):
         list(RecordStream([str(tmp_path / "t.parquet")], answer, shuffle=False))
+    pq.write_table(pa.table({"id": [0, 1, 2, 3], "tree": ["a", "a", None, "b"]}), tmp_path / "g.parquet")
+    assert list(RecordStream([str(tmp_path / "g.parquet")], ids, shuffle=False, epochs=1, group="tree")) == \
+        [[0, 1], [2], [3]]
+    assert list(RecordStream([str(tmp_path / "t.parquet")], ids, shuffle=False, epochs=1, group="tree")) == \
+        [[0], [1], [2]]
 
 
 def test_record_error_without_field_names_the_record(tmp_path):
