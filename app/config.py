@@ -171,7 +171,13 @@ class TrainConfig:
     """Stop the job (exit 4) after this many consecutive optimizer steps skipped for a non-finite loss or gradient
     norm, with a checkpoint of the last finite state; 0 = never stop."""
     trajectories_per_step: int = 16
-    """Offline jobs: trajectory records (TRAJ.jsonl lines) per optimizer step."""
+    """Offline jobs on records without trees (no two lines share a `tree` id): trajectory records (TRAJ.jsonl lines)
+    per optimizer step. Ignored when `trees_per_step` is set."""
+    trees_per_step: int | None = None
+    """Offline jobs: whole recorded trees per optimizer step (a tree is the run of consecutive lines of one file with
+    the same `tree` id; a line without one is a tree of one path), so a step's paths vary with the trees' sizes.
+    Needed as soon as a tree has two paths: shuffle, epochs and skipped bad records then move whole trees, and no
+    tree is split across steps. Unset = steps of `trajectories_per_step` records."""
     sft_steps: int = 0
     """Supervised warm-up steps on tree-structured demonstrations (the environment's own solutions) before RL."""
     sft_lr: float | None = None
@@ -209,6 +215,8 @@ class TrainConfig:
         for name in ("sft_tasks_per_step", "trajectories_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`train.{name}` must be >= 1, got {getattr(self, name)}")
+        if self.trees_per_step is not None and self.trees_per_step < 1:
+            raise ConfigError(f"`train.trees_per_step` must be >= 1 or unset, got {self.trees_per_step}")
         for name in ("lr", "sft_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -308,7 +316,8 @@ class JobConfig:
             self._check_capacity()
 
     def _check_offline(self) -> None:
-        """`data.trajectories` and `job.objective` belong to offline jobs, which need trajectories and no tasks."""
+        """`data.trajectories`, `job.objective` and `train.trees_per_step` belong to offline jobs, which need
+        trajectories and no tasks."""
         offline = self.job.kind == "offline"
         if self.data.trajectories is not None and not offline:
             raise ConfigError(
@@ -318,6 +327,9 @@ class JobConfig:
         if self.job.objective != "sft" and not offline:
             raise ConfigError(f"`job.objective` is read by offline jobs only, but `job.kind` = {self.job.kind!r}: "
                               "remove it (the RL job's objective is `rl.objective`)")
+        if self.train.trees_per_step is not None and not offline:
+            raise ConfigError(f"`train.trees_per_step` is read by offline jobs only, but `job.kind` = "
+                              f"{self.job.kind!r}: remove it")
         if offline and self.data.trajectories is None:
             raise ConfigError("`job.kind` = 'offline' needs [data] trajectories = \"PATH or glob\" (TRAJ.jsonl files, "
                               "planner/jsonl.py)")
@@ -392,7 +404,10 @@ OFFLINE_JOB_IGNORES = ("rollout", "train.sft_steps", "train.sft_lr", "train.sft_
 
 def ignored_by_offline_job(config: JobConfig) -> list[str]:
     """The settings an offline job does not read but the config changes (for one warning naming them): those of
-    OFFLINE_JOB_IGNORES except `rollout.temperature` of the RL objective, and `[rl]` under the SFT objective."""
+    OFFLINE_JOB_IGNORES except `rollout.temperature` of the RL objective, `[rl]` under the SFT objective, and
+    `train.trajectories_per_step` beside `train.trees_per_step`."""
     reads = ("rollout.temperature",) if config.job.objective == "rl" else ()
     ignores = OFFLINE_JOB_IGNORES + (("rl",) if config.job.objective == "sft" else ())
+    if config.train.trees_per_step is not None:
+        ignores += ("train.trajectories_per_step",)
     return [k for k in changed_settings(config) if _under(k, ignores) and not _under(k, reads)]

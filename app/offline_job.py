@@ -1,8 +1,9 @@
 """The offline job (`[job] kind = "offline"`): train on recorded trajectories instead of rollouts.
 
-    step   `train.trajectories_per_step` records of `[data] trajectories` (app.data: seeded shuffle, epochs,
-           prefetch, bad records, the position in every checkpoint) -> microbatch plan in `planner.mode`
-           -> tree execution -> SFT NLL, or the `[rl]` objective on the recorded advantages -> AdamW
+    step   `train.trees_per_step` whole trees (or `train.trajectories_per_step` records of one-path trees) of
+           `[data] trajectories` (app.data: seeded shuffle of trees, epochs, prefetch, bad records, the position in
+           every checkpoint) -> microbatch plan in `planner.mode` -> tree execution -> SFT NLL, or the `[rl]`
+           objective on the recorded advantages -> AdamW
 
 The RL job's machinery runs unchanged (app.rl_job._Job): one process or every rank of a torchrun launch, the main
 rank reads the step's records and plans them for the D data-parallel replicas (the records' order therefore does
@@ -54,10 +55,12 @@ class OfflineProgress:
         return f"offline steps done {self.offline_done}"
 
 
-def record_scalars(trajectories: list[Trajectory], feed_state: dict) -> dict[str, float]:
-    """The step's records: how many, their recorded rewards (when every one has one), the data position."""
-    values = {"data/records": float(len(trajectories)), "data/epoch": float(feed_state["epoch"]),
-              "data/skipped": float(feed_state["skipped"])}
+def record_scalars(trees: list[list[Trajectory]], feed_state: dict) -> dict[str, float]:
+    """The step's trees: how many, how many records, their recorded rewards (when every one has one), the data
+    position."""
+    trajectories = [t for tree in trees for t in tree]
+    values = {"data/trees": float(len(trees)), "data/records": float(len(trajectories)),
+              "data/epoch": float(feed_state["epoch"]), "data/skipped": float(feed_state["skipped"])}
     rewards = [t.reward for t in trajectories]
     if all(r is not None for r in rewards):
         values["data/reward_mean"] = float(np.mean(rewards))
@@ -75,25 +78,31 @@ class OfflineJob(_Job):
         c = self.config
         vocab_size = self.trainer.model.config.vocab_size
         return build_trajectory_feed(c.data, c.job.objective, c.rl, vocab_size=vocab_size, seed=c.train.seed,
-                                     on_skip=self._print)
+                                     whole_trees=c.train.trees_per_step is not None, on_skip=self._print)
+
+    def _per_step(self) -> int:
+        """Feed units (trees) a step takes."""
+        c = self.config.train
+        return c.trajectories_per_step if c.trees_per_step is None else c.trees_per_step
 
     def _records(self, step: int) -> SharedBatch:
-        """(main rank) Offline step `step` (0-based): its records, planned for the D replicas."""
+        """(main rank) Offline step `step` (0-based): its trees' records, planned for the D replicas."""
         c = self.config
-        trajectories = self.data.next_batch(c.train.trajectories_per_step, step + 1)
+        trees = self.data.next_batch(self._per_step(), step + 1)
+        trajectories = [t for tree in trees for t in tree]
         try:
-            return self._planned(trajectories, record_scalars(trajectories, self.data.stream.state_dict()))
+            return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
         except ValueError as e:  # a record longer than a duplicate-mode microbatch, fewer records than replicas
             raise ConfigError(f"`planner.capacity` = {c.planner.capacity}, planner.mode = {c.plan_mode!r}, "
                               f"{len(trajectories)} records on {self.trainer.dp} replicas: {e}") from None
 
     def _total_steps(self) -> int:
-        """(main rank) `train.steps`, or fewer when the records of `data.epochs` epochs run out before."""
+        """(main rank) `train.steps`, or fewer when the trees of `data.epochs` epochs run out before."""
         c = self.config
         stream = self.data.stream
         if stream.epochs is None:
             return c.train.steps
-        return min(c.train.steps, stream.epochs * stream.records_per_epoch // c.train.trajectories_per_step)
+        return min(c.train.steps, stream.epochs * stream.units_per_epoch // self._per_step())
 
     def phases(self, bars: JobProgress) -> None:
         c = self.config

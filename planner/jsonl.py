@@ -3,7 +3,7 @@
 One JSON object per line, one trajectory per object:
 
     {"tokens": [int, ...],            required, non-empty, ids in [0, 2**32)
-     "tree": str | int,               optional rollout-tree id
+     "tree": str | int,               optional rollout-tree id (a tree's paths are consecutive lines)
      "loss_mask": [0/1 or bool, ...], optional, one per token (default: every token but the first)
      "advantage": float | [float],    optional, scalar or one per token (default 0)
      "logprobs": [float, ...],        optional behaviour log-probs, one per token

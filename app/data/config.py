@@ -22,7 +22,9 @@ class DataConfig:
     task_from_record (its fields: the environment's docstring). Unset: the environment's own task generator."""
     trajectories: str | list[str] | None = field(default=None, metadata=PATH)
     """`[job] kind = "offline"` only: TRAJ.jsonl files (one trajectory per line, planner/jsonl.py), a glob or a list
-    of them, as for `tasks`; `train.trajectories_per_step` records make a step."""
+    of them, as for `tasks`. The paths of one recorded tree share a `tree` id and must be consecutive lines of one
+    file (an id that reappears later in its file is an error); shuffle, epochs and skipped records then move whole
+    trees, and `train.trees_per_step` trees make a step (`train.trajectories_per_step` records without trees)."""
     shuffle: bool = True
     """Shuffle the records anew every epoch (seeded); false reads them in file order."""
     seed: int | None = None
@@ -32,7 +34,8 @@ class DataConfig:
     checkpoint and export); raise it and --resume to go on."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A record that cannot be read or lacks a field: "error" stops with file, line and field (after saving a
-    checkpoint); "skip" leaves it out and counts it (the checkpoint's data state holds the count)."""
+    checkpoint); "skip" leaves it out, with the rest of its tree for trajectories, and counts the records left out
+    (the checkpoint's data state holds the count)."""
     prefetch: int = 16
     """Records read and parsed ahead on a background thread; 0 = on the training thread."""
 

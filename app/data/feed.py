@@ -1,4 +1,5 @@
-"""A job's records in step-sized batches from a RecordStream, with the stream state of the last completed step.
+"""A job's records (or the units of a grouped stream: whole trees) in step-sized batches from a RecordStream, with
+the stream state of the last completed step.
 
 The job asks for each step's records once, on the main rank (it plans the step for every data-parallel replica and
 shares the plan), so the stream reads as rank 0 of a world of 1: its state does not depend on the number of ranks,
@@ -32,17 +33,17 @@ class RecordFeed:
         self._before: tuple[int, dict[str, Any]] | None = None
 
     def next_batch(self, count: int, step: int) -> list[Any]:
-        """The `count` records of job step `step` (1-based, every phase's steps counted together).
+        """The `count` records (units) of job step `step` (1-based, every phase's steps counted together).
 
         Raises:
-            DataExhausted: fewer than `count` records are left in the last epoch.
+            DataExhausted: fewer than `count` units are left in the last epoch.
             DataError: a bad record with data.on_bad_record = "error".
         """
         self._before = (step, self.stream.state_dict())
         batch = list(itertools.islice(self.stream, count))
         if len(batch) < count:
             raise DataExhausted(
-                f"the {self.stream.epochs} epoch(s) of {self.stream.records_per_epoch} {self.records} are used up: "
+                f"the {self.stream.epochs} epoch(s) of {self.stream.units_per_epoch} {self.records} are used up: "
                 f"step {step} needs {count} {self.items}, {len(batch)} were left"
             )
         return batch
@@ -58,16 +59,16 @@ class RecordFeed:
 
 
 def open_stream(config: DataConfig, key: Literal["tasks", "trajectories"], parse: Callable[[dict], Any], *, seed: int,
-                on_skip: Callable[[str], None] | None) -> RecordStream:
+                on_skip: Callable[[str], None] | None, group: str | None = None) -> RecordStream:
     """The stream of the files of `data.<key>` parsed by `parse`, read as `config` says (shuffle, epochs, bad
-    records, prefetch).
+    records, prefetch), in units of `group` (RecordStream) when set.
 
     Args:
         seed: the shuffle seed when `config.seed` is unset (train.seed).
         on_skip: prints a skipped record's "data: skipped FILE:LINE: reason" (the first SKIPS_SHOWN of them).
 
     Raises:
-        DataError: the files cannot be read or hold no records.
+        DataError: the files cannot be read, hold no records, or a `group` value reappears non-consecutively.
     """
     shown = itertools.count(1)
 
@@ -79,4 +80,4 @@ def open_stream(config: DataConfig, key: Literal["tasks", "trajectories"], parse
 
     return RecordStream(config.files(key), parse, seed=seed if config.seed is None else config.seed,
                         shuffle=config.shuffle, epochs=config.epochs, on_bad_record=config.on_bad_record,
-                        prefetch=config.prefetch, on_skip=report)
+                        prefetch=config.prefetch, on_skip=report, group=group)

@@ -13,9 +13,12 @@ import numpy as np
 from app.data.errors import DataError
 from rollout.envs.records import RecordError
 
-__all__ = ["RecordFile", "JsonlFile", "ParquetFile", "open_record_files", "SUFFIXES"]
+__all__ = ["RecordFile", "JsonlFile", "ParquetFile", "open_record_files", "SUFFIXES", "UNREADABLE"]
 
 SUFFIXES = (".jsonl", ".parquet")
+
+#: What `RecordFile.values` gives for a record that is no JSON object.
+UNREADABLE = object()
 
 
 class RecordFile(ABC):
@@ -34,6 +37,11 @@ class RecordFile(ABC):
     @abstractmethod
     def read(self, index: int) -> dict[str, Any]:
         """Record `index` as a dict; raises RecordError for an unreadable one."""
+
+    @abstractmethod
+    def values(self, key: str) -> list[Any]:
+        """Every record's value of `key` in file order (None where it lacks the key, UNREADABLE where the record is
+        no JSON object); reads the whole file."""
 
 
 class JsonlFile(RecordFile):
@@ -65,6 +73,21 @@ class JsonlFile(RecordFile):
         with self.path.open("rb") as f:
             f.seek(int(self.offsets[index]))
             raw = f.readline()
+        return self._decode(raw)
+
+    def values(self, key: str) -> list[Any]:
+        found = []
+        with self.path.open("rb") as f:
+            for offset in self.offsets:
+                f.seek(int(offset))
+                try:
+                    found.append(self._decode(f.readline()).get(key))
+                except RecordError:
+                    found.append(UNREADABLE)
+        return found
+
+    @staticmethod
+    def _decode(raw: bytes) -> dict[str, Any]:
         try:
             value = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -103,6 +126,13 @@ class ParquetFile(RecordFile):
         if self._table is None:
             self._table = self._pq.read_table(self.path, memory_map=True)
         return self._table.slice(index, 1).to_pylist()[0]
+
+    def values(self, key: str) -> list[Any]:
+        if self._table is None:
+            self._table = self._pq.read_table(self.path, memory_map=True)
+        if key not in self._table.column_names:
+            return [None] * self.rows
+        return self._table.column(key).to_pylist()
 
 
 def open_record_files(paths: Sequence[str | Path]) -> list[RecordFile]:

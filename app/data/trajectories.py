@@ -1,5 +1,10 @@
 """An offline job's trajectories: records of `[data] trajectories` (TRAJ.jsonl lines, planner/jsonl.py) through a
-RecordFeed, each checked for the fields its objective trains on.
+RecordFeed, each checked for the fields its objective trains on, in whole trees.
+
+The feed's unit is a tree: the maximal run of consecutive lines of one file with the same `tree` id; a record
+without one is a tree of one path (app.data.source.record_units). Shuffle, epochs, bad records (the whole tree is
+skipped) and the checkpointed position count trees, and a step takes `train.trees_per_step` of them; without it a
+step takes `train.trajectories_per_step` records, which only works when no tree has two paths.
 
     sft                      tokens (loss_mask, weight optional)
     rl                       + advantage
@@ -14,6 +19,9 @@ from __future__ import annotations
 
 from typing import Callable, Literal
 
+import numpy as np
+
+from app.config_loader import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
 from app.losses import PolicyLossConfig
@@ -58,9 +66,28 @@ def trajectory_parser(needs: dict[str, str], vocab_size: int) -> Callable[[dict]
 
 
 def build_trajectory_feed(config: DataConfig, objective: Literal["sft", "rl"], rl: PolicyLossConfig, *,
-                          vocab_size: int, seed: int, on_skip: Callable[[str], None] | None = None) -> RecordFeed:
+                          vocab_size: int, seed: int, whole_trees: bool,
+                          on_skip: Callable[[str], None] | None = None) -> RecordFeed:
     """The feed of `config.trajectories` for `objective` and a model of `vocab_size` ids (seed: the shuffle's when
-    `config.seed` is unset)."""
+    `config.seed` is unset); each batch item is a tree, a list of its paths (Trajectory) in file order.
+
+    Args:
+        whole_trees: steps count trees (`train.trees_per_step` is set), not records.
+
+    Raises:
+        ConfigError: not `whole_trees`, and a tree has two paths or more (a step of records would split it).
+        DataError: the files cannot be read, hold no records, or a tree's lines are not consecutive.
+    """
     stream = open_stream(config, "trajectories", trajectory_parser(needed_fields(objective, rl), vocab_size),
-                         seed=seed, on_skip=on_skip)
+                         seed=seed, on_skip=on_skip, group="tree")
+    if whole_trees:
+        return RecordFeed(stream, records="trees", items="trees")
+    source = stream.source
+    sizes = source.bounds[1:] - source.bounds[:-1]
+    split = np.flatnonzero(sizes > 1)
+    if len(split):
+        file, rows = source.rows(int(split[0]))
+        raise ConfigError(f"{file.where(rows[0])} begins a tree of {len(rows)} paths (records with one `tree` id): "
+                          "train.trajectories_per_step would split trees across steps; set train.trees_per_step "
+                          "(whole trees per step) instead")
     return RecordFeed(stream, records="trajectory records", items="records")

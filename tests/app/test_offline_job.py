@@ -1,7 +1,8 @@
 """The offline job (`[job] kind = "offline"`, app/offline_job.py) end to end on recorded calculator trees
-(configs/data/calculator_trees.jsonl): it trains with SFT and with the RL objective, a run stopped mid-epoch and
-resumed reads the same records in the same order and reaches bitwise the same parameters (float64, one thread; in
-one process and on 2 gloo ranks), and every bad record or setting is one error line naming where it is."""
+(configs/data/calculator_trees.jsonl): it trains with SFT and with the RL objective on whole shuffled trees, a run
+stopped mid-epoch and resumed reads the same trees in the same order and reaches bitwise the same parameters
+(float64, one thread; in one process and on 2 gloo ranks), and every bad record or setting is one error line naming
+where it is."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ capacity = 48
 
 [train]
 threads = 1
-trajectories_per_step = 6
+trees_per_step = 2
 steps = 5
 lr = 3e-3
 
@@ -57,12 +58,15 @@ lr = 3e-3
 tis_cap = "none"
 """ + OUTPUTS
 FLOAT64 = ["--model.dtype=float64", "--train.moe_aux_loss_coef=0"]
+#: Steps of 6 records instead of 2 trees (records without tree ids).
+RECORDS = ["--train.trees_per_step=none", "--train.trajectories_per_step=6"]
 
 
 def offline_job(folder: Path, lines: list[str] | None = None) -> Path:
-    """A job folder with `lines` as trees.jsonl (default: the example's first 30 records, 5 steps an epoch)."""
+    """A job folder with `lines` as trees.jsonl (default: the example's first 8 trees, 32 records, 4 steps an
+    epoch)."""
     folder.mkdir()
-    lines = EXAMPLE.read_text().splitlines()[:30] if lines is None else lines
+    lines = EXAMPLE.read_text().splitlines()[:32] if lines is None else lines
     (folder / "trees.jsonl").write_text("\n".join(lines) + "\n")
     path = folder / "job.toml"
     path.write_text(OFFLINE_JOB)
@@ -71,8 +75,9 @@ def offline_job(folder: Path, lines: list[str] | None = None) -> Path:
 
 @pytest.fixture
 def records_per_step(monkeypatch):
-    """Every step's records as the job received them: {step: [tokens of each record]}, one dict per run."""
-    return recording_batches(monkeypatch, lambda trajectory: trajectory.tokens.tolist())
+    """Every step's trees as the job received them: {step: [(tree id, [tokens of each path]) of each tree]}, one dict
+    per run."""
+    return recording_batches(monkeypatch, lambda tree: (tree[0].tree, [t.tokens.tolist() for t in tree]))
 
 
 def test_bundled_example_is_what_its_generator_writes():
@@ -100,18 +105,19 @@ def test_offline_job_trains_on_the_recorded_trees(tmp_path, capsys, objective):
     (all paths alike, so it does not). Checkpoints, TensorBoard tags and the export as in an RL job."""
     config = offline_job(tmp_path / "a", EXAMPLE.read_text().splitlines())
     assert main([str(config), f"--job.objective={objective}", "--data.epochs=2", "--train.steps=100",
-                 "--train.trajectories_per_step=16"]) == 0
+                 "--train.trees_per_step=4"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert "offline step  12/12" in out and "exported the policy" in out
-    assert "data: the 2 epoch(s) of 96 trajectory records are used up" in out
+    assert "data: the 2 epoch(s) of 24 trees are used up" in out
     checkpoints = Checkpointer(tmp_path / "a" / "ck")
     assert checkpoints.load()["progress"] == {"offline_done": 12}
     acc = events(tmp_path / "a")
     prefix = "train" if objective == "rl" else "sft"
     loss = [e.value for e in acc.Scalars(f"{prefix}/loss")]
     assert [e.step for e in acc.Scalars(f"{prefix}/loss")] == list(range(1, 13))
-    for tag in ("data/records", "data/reward_mean", "train/compression", "time/step", f"{prefix}/entropy"):
+    assert {e.value for e in acc.Scalars("data/trees")} == {4.0} and {e.value for e in acc.Scalars("data/records")} == {16.0}
+    for tag in ("data/reward_mean", "train/compression", "time/step", f"{prefix}/entropy"):
         assert tag in acc.Tags()["scalars"], tag
     trees = read_jsonl(EXAMPLE)
     initial, _ = build_policy(load_config(JobConfig, config).model, seed=0)
@@ -129,29 +135,33 @@ def test_offline_job_trains_on_the_recorded_trees(tmp_path, capsys, objective):
 @pytest.mark.parametrize("extra", [[], ["--rl.epochs=2", "--planner.mode=carry"], ["--job.objective=sft"]],
                          ids=["rl", "rl-epochs2-carry", "sft"])
 def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path, records_per_step, extra):
-    """5 steps of 6 records over an epoch of 30 records: stopped after step 2 (12 records into the epoch) and resumed,
-    the run reads the same records in the same order as an uninterrupted one (the same shuffled epoch), and its
-    parameters and AdamW state are bitwise those of the uninterrupted run (float64, one thread)."""
+    """4 steps of 2 whole trees over an epoch of 8 trees (32 records): every step takes whole trees, an epoch reads
+    each tree once in a shuffled order; stopped after step 2 (4 trees into the epoch) and resumed, the run reads the
+    same trees in the same order as an uninterrupted one, and its parameters and AdamW state are bitwise those of
+    the uninterrupted run (float64, one thread)."""
     run, runs = records_per_step
     a, b = offline_job(tmp_path / "a"), offline_job(tmp_path / "b")
-    assert run(str(a), *FLOAT64, *extra, "--train.steps=8") == 0
-    first_epoch = [tuple(r) for step in (1, 2, 3, 4, 5) for r in runs[0][step]]
-    lines = (tmp_path / "a" / "trees.jsonl").read_text().splitlines()
-    # An epoch reads each record once, in an order other than the file's, and the next epoch reshuffles.
-    assert sorted(first_epoch) == sorted(tuple(json.loads(line)["tokens"]) for line in lines)
-    assert first_epoch != [tuple(json.loads(line)["tokens"]) for line in lines]
-    assert runs[0][6] != runs[0][1]
+    assert run(str(a), *FLOAT64, *extra, "--train.steps=7") == 0
+    first_epoch = [tree for step in (1, 2, 3, 4) for tree in runs[0][step]]
+    records = [json.loads(line) for line in (tmp_path / "a" / "trees.jsonl").read_text().splitlines()]
+    in_file = [(tree, [r["tokens"] for r in records if r["tree"] == tree]) for tree in dict.fromkeys(r["tree"]
+                                                                                                   for r in records)]
+    assert len(in_file) == 8 and all(len(paths) == 4 for _, paths in in_file)
+    assert all(len(runs[0][step]) == 2 for step in runs[0])
+    # An epoch reads each tree whole and once, in an order other than the file's, and the next epoch reshuffles.
+    assert sorted(first_epoch) == sorted(in_file) and first_epoch != in_file
+    assert runs[0][5] != runs[0][1]
     assert run(str(b), *FLOAT64, *extra, "--train.steps=2") == 0
-    assert run(str(b), *FLOAT64, *extra, "--train.steps=8", "--resume") == 0
-    assert sorted(runs[2]) == [3, 4, 5, 6, 7, 8] and {**runs[1], **runs[2]} == runs[0]
+    assert run(str(b), *FLOAT64, *extra, "--train.steps=7", "--resume") == 0
+    assert sorted(runs[2]) == [3, 4, 5, 6, 7] and {**runs[1], **runs[2]} == runs[0]
     final_a, final_b = Checkpointer(tmp_path / "a" / "ck").load(), Checkpointer(tmp_path / "b" / "ck").load()
-    assert final_a["progress"] == final_b["progress"] == {"offline_done": 8}
+    assert final_a["progress"] == final_b["progress"] == {"offline_done": 7}
     assert models_equal(final_a["model"], final_b["model"])
     assert models_equal(final_a["optimizer"], final_b["optimizer"])
-    assert final_b["data"] == final_a["data"] and final_a["data"]["epoch"] == 1 and final_a["data"]["position"] == 18
+    assert final_b["data"] == final_a["data"] and final_a["data"]["epoch"] == 1 and final_a["data"]["position"] == 6
 
 
-GOOD = '{"tokens": [2, 4, 10, 84, 12], "loss_mask": [0, 0, 1, 1, 1], "advantage": 1.0, "tree": "t"}'
+GOOD = '{"tokens": [2, 4, 10, 84, 12], "loss_mask": [0, 0, 1, 1, 1], "advantage": 1.0}'
 
 
 @pytest.mark.parametrize("line, error", [
@@ -171,7 +181,7 @@ GOOD = '{"tokens": [2, 4, 10, 84, 12], "loss_mask": [0, 0, 1, 1, 1], "advantage"
 ], ids=["no-tokens", "tokens-type", "mask-length", "weight-type", "unknown-key", "json", "vocab", "no-advantage"])
 def test_a_bad_record_stops_with_its_file_line_and_field(tmp_path, capsys, line, error):
     config = offline_job(tmp_path / "a", [GOOD] * 7 + [line] + [GOOD] * 4)
-    assert main([str(config), "--data.shuffle=false"]) == 2
+    assert main([str(config), *RECORDS, "--data.shuffle=false"]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     (message,) = [m for m in out.splitlines() if m.startswith("error:")]
@@ -184,19 +194,19 @@ def test_a_bad_record_stops_with_its_file_line_and_field(tmp_path, capsys, line,
 
 def test_the_objective_names_the_fields_it_needs(tmp_path, capsys):
     config = offline_job(tmp_path / "a", [GOOD] * 12)
-    assert main([str(config), "--rl.tis_cap=2.0", "--data.shuffle=false"]) == 2
+    assert main([str(config), *RECORDS, "--rl.tis_cap=2.0", "--data.shuffle=false"]) == 2
     assert "trees.jsonl:1: field 'logprobs': missing: rl.tis_cap = 2.0 weights tokens by the behaviour log-probs " \
            "(or set it to none)" in capsys.readouterr().out
-    assert main([str(config), "--rl.kl_coef=0.1"]) == 2
+    assert main([str(config), *RECORDS, "--rl.kl_coef=0.1"]) == 2
     assert "field 'ref_logprobs': missing: rl.kl_coef = 0.1 needs the reference log-probs" in capsys.readouterr().out
     no_advantage = GOOD.replace(', "advantage": 1.0', "")
     config = offline_job(tmp_path / "b", [no_advantage] * 12)
-    assert main([str(config), "--job.objective=sft", "--train.steps=2"]) == 0
+    assert main([str(config), *RECORDS, "--job.objective=sft", "--train.steps=2"]) == 0
 
 
 def test_skipped_records_are_printed_and_counted(tmp_path, capsys):
     config = offline_job(tmp_path / "a", [GOOD] * 3 + ["{oops"] + [GOOD] * 8 + ['{"tokens": []}'])
-    assert main([str(config), "--data.on_bad_record=skip", "--data.shuffle=false", "--train.steps=4"]) == 0
+    assert main([str(config), *RECORDS, "--data.on_bad_record=skip", "--data.shuffle=false", "--train.steps=4"]) == 0
     out = capsys.readouterr().out
     assert "data: skipped " in out and "trees.jsonl:4: unreadable line: invalid JSON" in out
     assert "trees.jsonl:13: 'tokens' must be a non-empty list of integers" in out
@@ -211,9 +221,57 @@ def test_empty_data_and_a_record_longer_than_a_microbatch_are_errors(tmp_path, c
     assert main([str(config), "--planner.mode=duplicate", "--planner.capacity=16"]) == 2
     out = capsys.readouterr().out
     (message,) = [m for m in out.splitlines() if m.startswith("error:")]
-    assert message.startswith("error: at step 1: `planner.capacity` = 16, planner.mode = 'duplicate', 6 records "
+    assert message.startswith("error: at step 1: `planner.capacity` = 16, planner.mode = 'duplicate', 8 records "
                               "on 1 replicas: "), message
     assert main([str(config), "--planner.mode=carry", "--planner.capacity=16", "--train.steps=1"]) == 0
+
+
+def test_a_tree_whose_lines_are_not_consecutive_is_an_error(tmp_path, capsys):
+    lines = EXAMPLE.read_text().splitlines()
+    config = offline_job(tmp_path / "a", lines[:3] + lines[4:8] + lines[3:4])
+    assert main([str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    path = tmp_path / "a" / "trees.jsonl"
+    (message,) = [m for m in (out + err).splitlines() if m.startswith("error:")]
+    assert message == f"error: {path}:8: tree 'calc-0' reappears after other records (it began at {path}:1): the " \
+                      "records of one tree must be consecutive lines of one file; move them together or give them " \
+                      "another tree id", message
+
+
+def test_steps_of_records_on_trees_are_an_error(tmp_path, capsys):
+    config = offline_job(tmp_path / "a")
+    assert main([str(config), *RECORDS]) == 2
+    out, err = capsys.readouterr()
+    (message,) = [m for m in (out + err).splitlines() if m.startswith("error:")]
+    assert message == f"error: {tmp_path / 'a' / 'trees.jsonl'}:1 begins a tree of 4 paths (records with one `tree` " \
+                      "id): train.trajectories_per_step would split trees across steps; set train.trees_per_step " \
+                      "(whole trees per step) instead", message
+
+
+def test_a_bad_line_inside_a_tree_stops_or_skips_the_whole_tree(tmp_path, capsys, records_per_step):
+    """Line 10 (in tree calc-2, lines 9-12) is no JSON: "error" stops at step 2 (calc-2, calc-3) naming the line,
+    after the checkpoint of step 1; "skip" leaves out all 4 paths of calc-2 and counts them."""
+    run, runs = records_per_step
+    lines = EXAMPLE.read_text().splitlines()[:32]
+    config = offline_job(tmp_path / "a", lines[:9] + ["{oops"] + lines[10:])
+    assert run(str(config), "--data.shuffle=false") == 2
+    out = capsys.readouterr().out
+    path = tmp_path / "a" / "trees.jsonl"
+    (message,) = [m for m in out.splitlines() if m.startswith("error:")]
+    assert message.startswith(f"error: bad trajectory record at step 2: {path}:10: unreadable line: invalid JSON"), \
+        message
+    state = Checkpointer(tmp_path / "a" / "ck").load()
+    assert state["progress"] == {"offline_done": 1} and state["data"]["position"] == 2
+    config = offline_job(tmp_path / "b", lines[:9] + ["{oops"] + lines[10:])
+    assert run(str(config), "--data.shuffle=false", "--data.on_bad_record=skip", "--train.steps=3") == 0
+    out = capsys.readouterr().out
+    assert f"data: skipped {path.parent.parent / 'b' / 'trees.jsonl'}:10: unreadable line" in out
+    assert "(with the other 3 records of its tree)" in out
+    trees = [[tree for tree, _ in runs[1][step]] for step in (1, 2, 3)]
+    assert trees == [["calc-0", "calc-1"], ["calc-3", "calc-4"], ["calc-5", "calc-6"]]
+    assert all(len(paths) == 4 for step in runs[1].values() for _, paths in step)
+    assert Checkpointer(tmp_path / "b" / "ck").load()["data"]["skipped"] == 4
 
 
 @pytest.mark.parametrize("text, error", [
@@ -223,11 +281,13 @@ def test_empty_data_and_a_record_longer_than_a_microbatch_are_errors(tmp_path, c
     ('[job]\nobjective = "rl"\n', "`job.objective` is read by offline jobs only, but `job.kind` = 'rl'"),
     ('[job]\nkind = "offline"\n[data]\ntrajectories = "trees.jsonl"\ntasks = "trees.jsonl"\n',
      "`data.tasks` and `data.trajectories` are both set"),
+    ('[train]\ntrees_per_step = 2\n', "`train.trees_per_step` is read by offline jobs only, but `job.kind` = 'rl': "
+                                     "remove it"),
     ('[job]\nkind = "offline"\n[data]\ntrajectories = "nothing/*.jsonl"\n',
      r"`data.trajectories`: '.*/nothing/\*.jsonl' matches no file"),
     ('[job]\nkind = "offline"\n[data]\ntrajectories = "job.toml"\n', r"`data.trajectories`: .*job.toml is not a "
                                                                      r"\.jsonl file"),
-], ids=["trajectories-in-rl", "offline-without-trajectories", "objective-in-rl", "tasks-and-trajectories",
+], ids=["trajectories-in-rl", "offline-without-trajectories", "objective-in-rl", "tasks-and-trajectories", "trees-in-rl",
         "no-match", "not-jsonl"])
 def test_config_errors(tmp_path, text, error):
     (tmp_path / "trees.jsonl").write_text(GOOD + "\n")
@@ -263,7 +323,7 @@ def test_kl_is_taken_to_the_recorded_reference_log_probs(tmp_path):
     """rl.kl_coef > 0 reads each record's ref_logprobs (here its behaviour log-probs, of a wider model): the KL is
     positive from the first step, and no frozen reference policy is kept or checkpointed."""
     lines = [json.dumps({**json.loads(line), "ref_logprobs": json.loads(line)["logprobs"]})
-             for line in EXAMPLE.read_text().splitlines()[:30]]
+             for line in EXAMPLE.read_text().splitlines()[:32]]
     config = offline_job(tmp_path / "a", lines)
     assert main([str(config), "--rl.kl_coef=0.5", "--train.steps=2"]) == 0
     kl = scalars(tmp_path / "a", "train/kl")
@@ -284,3 +344,6 @@ def test_settings_an_offline_job_ignores_are_named_once(tmp_path, capsys):
     # The job file sets rl.tis_cap.
     assert warning == "warning: an offline job (objective 'sft') ignores rollout.temperature, rl.clip_low, " \
                       "rl.tis_cap"
+    assert main([str(config), "--train.steps=1", "--train.trajectories_per_step=8"]) == 0
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning == "warning: an offline job (objective 'rl') ignores train.trajectories_per_step"

@@ -163,6 +163,11 @@ def test_parquet_rows_are_records(tmp_path):
     assert list(stream) == [(0, "a"), (2, "c")] and stream.skipped == 2
     with pytest.raises(DataError, match=r"t.parquet, row 1: field 'answer': missing"):
         list(RecordStream([str(tmp_path / "t.parquet")], answer, shuffle=False))
+    pq.write_table(pa.table({"id": [0, 1, 2, 3], "tree": ["a", "a", None, "b"]}), tmp_path / "g.parquet")
+    assert list(RecordStream([str(tmp_path / "g.parquet")], ids, shuffle=False, epochs=1, group="tree")) == \
+        [[0, 1], [2], [3]]
+    assert list(RecordStream([str(tmp_path / "t.parquet")], ids, shuffle=False, epochs=1, group="tree")) == \
+        [[0], [1], [2]]
 
 
 def test_record_error_without_field_names_the_record(tmp_path):
@@ -172,3 +177,91 @@ def test_record_error_without_field_names_the_record(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"id": 0}])
     with pytest.raises(DataError, match=r"a.jsonl:1: not a task;"):
         next(RecordStream([path], reject))
+
+
+def tree_file(path, trees: list[tuple], **extra) -> str:
+    """A JSONL file of records {"id": i, "tree": tree} (no "tree" key where it is None), `trees` = (tree, paths)
+    runs in file order, ids counted from extra.get("first", 0)."""
+    records, i = [], extra.get("first", 0)
+    for tree, paths in trees:
+        for _ in range(paths):
+            records.append({"id": i} if tree is None else {"id": i, "tree": tree})
+            i += 1
+    return write_jsonl(path, records, blank_every=extra.get("blank_every", 0))
+
+
+@pytest.fixture
+def tree_files(tmp_path):
+    """9 trees over two files: sizes 3, 1, 1 (no id), 2, 4 (int id 7) | 2 ('a' again: another file, another tree), 1
+    (int 3), 1 (str '3'), 3."""
+    a = tree_file(tmp_path / "a.jsonl", [("a", 3), ("b", 1), (None, 1), ("c", 2), (7, 4)], blank_every=4)
+    b = tree_file(tmp_path / "b.jsonl", [("a", 2), (3, 1), ("3", 1), ("d", 3)], first=11)
+    return [a, b]
+
+
+TREES = [[0, 1, 2], [3], [4], [5, 6], [7, 8, 9, 10], [11, 12], [13], [14], [15, 16, 17]]
+
+
+def test_grouped_units_are_the_runs_of_one_tree_id(tree_files):
+    assert list(RecordStream(tree_files, ids, shuffle=False, epochs=1, group="tree")) == TREES
+    stream = RecordStream(tree_files, ids, seed=2, epochs=2, group="tree")
+    assert stream.units_per_epoch == 9 and stream.state_dict()["dataset"]["units"] == 9
+    seen = list(stream)
+    epochs = [seen[:9], seen[9:]]
+    assert all(sorted(e) == TREES for e in epochs) and epochs[0] != TREES and epochs[0] != epochs[1]
+
+
+def test_a_tree_id_that_reappears_in_its_file_is_an_error(tmp_path):
+    path = tree_file(tmp_path / "a.jsonl", [("a", 2), ("b", 1), (None, 1), ("a", 1)], blank_every=2)
+    with pytest.raises(DataError, match=r"a.jsonl:7: tree 'a' reappears after other records \(it began at "
+                                        r".*a.jsonl:1\): the records of one tree must be consecutive lines"):
+        RecordStream([path], ids, group="tree")
+    # Without grouping the ids mean nothing.
+    assert len(list(RecordStream([path], ids, epochs=1))) == 5
+
+
+def test_ungrouped_or_treeless_records_keep_their_order_and_state(two_files):
+    """Records without tree ids make one-record units: the same order and state as without grouping."""
+    plain, grouped = RecordStream(two_files, ids, seed=4, epochs=2), RecordStream(two_files, ids, seed=4, epochs=2,
+                                                                                  group="tree")
+    assert [[x] for x in plain] == list(grouped)
+    assert plain.state_dict() == grouped.state_dict() and "units" not in grouped.state_dict()["dataset"]
+
+
+@pytest.mark.parametrize("prefetch", [0, 3], ids=["inline", "prefetch3"])
+def test_grouped_state_round_trip_continues_at_the_next_unseen_tree(tree_files, prefetch):
+    uninterrupted = list(islice(RecordStream(tree_files, ids, seed=3, prefetch=prefetch, group="tree"), 25))
+    first = RecordStream(tree_files, ids, seed=3, prefetch=prefetch, group="tree")
+    head = list(islice(first, 13))
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["epoch"] == 1 and state["position"] == 4
+    resumed = RecordStream(tree_files, ids, seed=3, prefetch=prefetch, group="tree")
+    resumed.load_state_dict(state)
+    assert head + list(islice(resumed, 12)) == uninterrupted
+    with pytest.raises(DataError, match="resuming would not continue"):
+        RecordStream(tree_files, ids, seed=3).load_state_dict(state)
+
+
+def test_ranks_share_whole_trees(tree_files):
+    shares = [list(RecordStream(tree_files, ids, seed=1, epochs=1, rank=r, world=2, group="tree")) for r in (0, 1)]
+    whole = list(RecordStream(tree_files, ids, seed=1, epochs=1, group="tree"))
+    assert shares == [whole[0:8:2], whole[1:8:2]]
+
+
+def test_a_bad_record_leaves_out_its_whole_tree(tmp_path):
+    """A record its parser rejects, or a line that is no JSON object (it belongs to the tree of the line before it),
+    skips its tree: `skipped` counts the tree's records. With on_bad_record = "error" the line is named."""
+    lines = [{"id": 0, "tree": "a"}, {"id": 1, "tree": "a"}, {"tree": "b"}, {"id": 3, "tree": "b"},
+             {"id": 4, "tree": "c"}, "{oops", {"id": 6, "tree": "c"}, {"id": 7, "tree": "d"}]
+    path = write_jsonl(tmp_path / "a.jsonl", lines)
+    skipped = []
+    stream = RecordStream([path], ids, shuffle=False, epochs=1, on_bad_record="skip", on_skip=skipped.append,
+                          group="tree")
+    assert list(stream) == [[0, 1], [7]] and stream.skipped == 5
+    assert skipped[0].endswith("a.jsonl:3: field 'id': missing (with the other 1 records of its tree)")
+    assert skipped[1].endswith("a.jsonl:6: unreadable line: invalid JSON (Expecting property name enclosed in "
+                               "double quotes at column 2) (with the other 2 records of its tree)")
+    stream = RecordStream([path], ids, shuffle=False, epochs=1, group="tree")
+    assert next(stream) == [0, 1]
+    with pytest.raises(DataError, match=r"a.jsonl:3: field 'id': missing; fix the record"):
+        next(stream)
