@@ -219,12 +219,20 @@ class _Job:
     def save(self) -> None:
         self.saved_path = self.trainer.save(
             self.done.step, {"progress": asdict(self.done), "rng": rng_state(), "run_name": self.run_name,
+                             "job_kind": self.config.job.kind,
                              "data": None if self.data is None else self.data.state_dict(self.done.step)}
         )
         self.saved_step = self.done.step
 
     def _restore(self) -> None:
         state = self.trainer.restore()
+        kind = state.get("job_kind", "rl")  # checkpoints written before job kinds were recorded are RL jobs'
+        if kind != self.config.job.kind:
+            raise ConfigError(
+                f"--resume: `checkpoint.dir` = {self.config.checkpoint.dir} holds a checkpoint of a {kind!r} job "
+                f"({state['path']}), but `job.kind` = {self.config.job.kind!r}: resume it with job.kind = {kind!r}, "
+                "or give this job another checkpoint.dir"
+            )
         self.done = self.progress(**state["progress"])
         self.resumed_rng = state["rng"]
         set_rng_state(self.resumed_rng)

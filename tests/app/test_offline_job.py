@@ -347,3 +347,21 @@ def test_settings_an_offline_job_ignores_are_named_once(tmp_path, capsys):
     assert main([str(config), "--train.steps=1", "--train.trajectories_per_step=8"]) == 0
     (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert warning == "warning: an offline job (objective 'rl') ignores train.trajectories_per_step"
+
+
+def test_resuming_another_kind_of_job_is_one_error(tmp_path, capsys):
+    """A checkpoint folder of an RL job given to an offline job (or the reverse) is refused by name, not a traceback
+    from the other kind's step counters."""
+    config = offline_job(tmp_path / "a")
+    assert main([str(config), "--train.steps=1"]) == 0
+    job_json = sorted((tmp_path / "a" / "ck").glob("step-*/job.json"))[-1]
+    state = json.loads(job_json.read_text())
+    assert state["job"]["job_kind"] == "offline"
+    state["job"]["job_kind"] = "rl"
+    job_json.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main([str(config), "--train.steps=2", "--resume"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    (message,) = [m for m in out.splitlines() if m.startswith("error:")]
+    assert "holds a checkpoint of a 'rl' job" in message and "`job.kind` = 'offline'" in message, message
