@@ -363,5 +363,5 @@ def test_resuming_another_kind_of_job_is_one_error(tmp_path, capsys):
     assert main([str(config), "--train.steps=2", "--resume"]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
-    (message,) = [m for m in out.splitlines() if m.startswith("error:")]
+    (message,) = [m for m in (out + err).splitlines() if m.startswith("error:")]
     assert "holds a checkpoint of a 'rl' job" in message and "`job.kind` = 'offline'" in message, message
