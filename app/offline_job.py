@@ -90,11 +90,15 @@ class OfflineJob(_Job):
         c = self.config
         trees = self.data.next_batch(self._per_step(), step + 1)
         trajectories = [t for tree in trees for t in tree]
-        try:
-            return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
-        except ValueError as e:  # a record longer than a duplicate-mode microbatch, fewer records than replicas
-            raise ConfigError(f"`planner.capacity` = {c.planner.capacity}, planner.mode = {c.plan_mode!r}, "
-                              f"{len(trajectories)} records on {self.trainer.dp} replicas: {e}") from None
+        longest = max(len(t) for t in trajectories)
+        if c.plan_mode == "duplicate" and longest > c.planner.capacity:
+            raise ConfigError(f"`planner.capacity` = {c.planner.capacity} is shorter than a record of step {step + 1} "
+                              f"({longest} tokens): planner.mode = 'duplicate' keeps a path in one microbatch; raise "
+                              "planner.capacity or use planner.mode = 'carry'")
+        if len(trajectories) < self.trainer.dp:
+            raise ConfigError(f"step {step + 1} has {len(trajectories)} records for {self.trainer.dp} data-parallel "
+                              "replicas: raise train.trees_per_step (or train.trajectories_per_step)")
+        return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
 
     def _total_steps(self) -> int:
         """(main rank) `train.steps`, or fewer when the trees of `data.epochs` epochs run out before."""
