@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from app.config import JobConfig
@@ -64,6 +65,14 @@ class DistributedTrainer(Trainer):
                                           betas=tuple(c.train.betas), implementation="for-loop")
         self.optimizers = tuple(self.optimizer)
         self.runner = self._runner_for(self.model)
+
+    def close(self) -> None:
+        """Release the folders, then this rank's process group (one left to the interpreter's exit is a usual source
+        of "terminate called without an active exception": a full-suite run once saw a rank abort so after a finished
+        4-rank job)."""
+        super().close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _runner_for(self, model: nn.Module) -> StepRunner:
         carry = {"resident": self.carry_resident} if self._runner_class is CarryRunner else {}
