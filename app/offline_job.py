@@ -36,6 +36,7 @@ from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
 from app.objectives import sft_loss
 from app.progress import JobProgress
 from app.rl_job import SharedBatch, _Job
+from planner.microbatch import check_inputs
 from planner.trajectory import Trajectory
 
 __all__ = ["run_offline", "OfflineProgress"]
@@ -90,14 +91,11 @@ class OfflineJob(_Job):
         c = self.config
         trees = self.data.next_batch(self._per_step(), step + 1)
         trajectories = [t for tree in trees for t in tree]
-        longest = max(len(t) for t in trajectories)
-        if c.plan_mode == "duplicate" and longest > c.planner.capacity:
-            raise ConfigError(f"`planner.capacity` = {c.planner.capacity} is shorter than a record of step {step + 1} "
-                              f"({longest} tokens): planner.mode = 'duplicate' keeps a path in one microbatch; raise "
-                              "planner.capacity or use planner.mode = 'carry'")
-        if len(trajectories) < self.trainer.dp:
-            raise ConfigError(f"step {step + 1} has {len(trajectories)} records for {self.trainer.dp} data-parallel "
-                              "replicas: raise train.trees_per_step (or train.trajectories_per_step)")
+        try:
+            check_inputs(trajectories, c.planner.capacity, self.trainer.dp, split_paths=c.plan_mode != "duplicate")
+        except ValueError as e:
+            raise ConfigError(f"`planner.capacity` = {c.planner.capacity}, planner.mode = {c.plan_mode!r}, the "
+                              f"records of step {step + 1}: {e} (planner.mode = 'carry' cuts paths)") from None
         return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
 
     def _total_steps(self) -> int:

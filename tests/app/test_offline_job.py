@@ -221,8 +221,9 @@ def test_empty_data_and_a_record_longer_than_a_microbatch_are_errors(tmp_path, c
     assert main([str(config), "--planner.mode=duplicate", "--planner.capacity=16"]) == 2
     out = capsys.readouterr().out
     (message,) = [m for m in out.splitlines() if m.startswith("error:")]
-    assert message.startswith("error: at step 1: `planner.capacity` = 16 is shorter than a record of step 1 ("), message
-    assert message.endswith("raise planner.capacity or use planner.mode = 'carry'"), message
+    assert message.startswith("error: at step 1: `planner.capacity` = 16, planner.mode = 'duplicate', the records of "
+                              "step 1: trajectory "), message
+    assert message.endswith("use capacity >= 20 (planner.mode = 'carry' cuts paths)"), message
     assert main([str(config), "--planner.mode=carry", "--planner.capacity=16", "--train.steps=1"]) == 0
 
 
