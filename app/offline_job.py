@@ -136,13 +136,9 @@ class OfflineJob(_Job):
                               train_scalars(update.step, update.grad_norm, update.expert_counts))
             if sft and update.grad_norm is not None:
                 values["sft/grad_norm"] = update.grad_norm
-            self._log(values)
-            bars.advance(task, info=f"loss {values.get(f'{prefix}/loss', float('nan')):+.4f}")
-            if (s + 1) % every == 0 or s + 1 == total:
-                bars.print(offline_line(s + 1, total, values, prefix), soft_wrap=True)
-            if self._checkpoint_due():
-                self.save()
-            self._step_done(update.skipped)
+            due = (s + 1) % every == 0 or s + 1 == total
+            self._end_step(bars, task, values, f"loss {values.get(f'{prefix}/loss', float('nan')):+.4f}",
+                           offline_line(s + 1, total, values, prefix) if due else None, update.skipped)
 
 
 def run_offline(config: JobConfig, console: Console | None = None) -> int:

@@ -356,13 +356,21 @@ class _Job:
                 values.update({**sft_scalars(update.step), **plan_scalars(update.step, shared.planner_seconds)})
             if update.grad_norm is not None:
                 values["sft/grad_norm"] = update.grad_norm
-            self._log(values)
-            bars.advance(task, info=f"nll {values.get('sft/nll', float('nan')):.3f}")
-            if (s + 1) % max(1, c.train.sft_steps // 5) == 0 or s + 1 == c.train.sft_steps:
-                bars.print(sft_line(s + 1, c.train.sft_steps, values), soft_wrap=True)
-            if self._checkpoint_due():
-                self.save()
-            self._step_done(update.skipped)
+            due = (s + 1) % max(1, c.train.sft_steps // 5) == 0 or s + 1 == c.train.sft_steps
+            self._end_step(bars, task, values, f"nll {values.get('sft/nll', float('nan')):.3f}",
+                           sft_line(s + 1, c.train.sft_steps, values) if due else None, update.skipped)
+
+    def _end_step(self, bars: JobProgress, task, values: dict[str, float], info: str, line: str | None,
+                  skipped: bool) -> None:
+        """The end of every training step: its scalars, the phase bar, its console line (None: not due), the
+        checkpoint when due, and the skipped-steps count."""
+        self._log(values)
+        bars.advance(task, info=info)
+        if line is not None:
+            bars.print(line, soft_wrap=True)
+        if self._checkpoint_due():
+            self.save()
+        self._step_done(skipped)
 
     def _start_engine(self, policy: HybridForCausalLM | None) -> float:
         """(main rank) Start the rollout engine from the current policy; returns the seconds it took."""
@@ -388,14 +396,10 @@ class _Job:
             with self.first_step.step("RL", f"RL step {step + 1}"):
                 values = self._rl_step(step, bars)
             rewards.append((step + 1, values["rollout/reward_mean"]))
-            self._log(values)
             if self.main and c.metrics.tree_picture_interval and step % c.metrics.tree_picture_interval == 0:
                 self.metrics.image("rollout/tree", self.done.step, render_tree(self.trees[0], self.tokenizer))
-            bars.print(rl_line(step + 1, c.train.steps, values), soft_wrap=True)
-            bars.advance(task, info=f"reward {values['rollout/reward_mean']:.3f}")
-            if self._checkpoint_due():
-                self.save()
-            self._step_done(bool(values["train/skipped"]))
+            self._end_step(bars, task, values, f"reward {values['rollout/reward_mean']:.3f}",
+                           rl_line(step + 1, c.train.steps, values), bool(values["train/skipped"]))
         summary = reward_summary(rewards)
         if summary is not None:
             bars.print(summary, soft_wrap=True)
