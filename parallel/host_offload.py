@@ -59,20 +59,20 @@ def offloaded_forwards(events: Sequence[tuple[str, int]], resident: int) -> froz
 
     With the carry planner's nested events (F0 F1 .. Fk Bk .. B0) the first `resident` open ones stay: they are
     the ones whose rows the later ones read. `resident` = 0 offloads every held microbatch; a large one none."""
-    held = set()
+    held = set()  # a slot forwards once per step
     for i, (kind, slot) in enumerate(events):
         if kind != "forward" or slot < 0:
             continue
         later = events[i + 1:]
         own_backward = later.index(("backward", slot)) if ("backward", slot) in later else len(later)
         if any(k == "forward" and s >= 0 for k, s in later[:own_backward]):
-            held.add((i, slot))
+            held.add(slot)
     on_device: set[int] = set()
     offloaded: set[int] = set()
-    for i, (kind, slot) in enumerate(events):
+    for kind, slot in events:
         if slot < 0:
             continue
-        if kind == "forward" and (i, slot) in held:
+        if kind == "forward" and slot in held:
             (on_device if len(on_device) < resident else offloaded).add(slot)
         elif kind == "backward":
             on_device.discard(slot)
