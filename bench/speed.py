@@ -48,7 +48,6 @@ from parallel.replica import prepare_carry_replica
 from planner.carry import plan_carry
 from planner.cost_model import CostModel
 from planner.microbatch import plan_microbatches
-from planner.pack import pack
 from planner.trajectory import Trajectory
 
 #: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
@@ -280,8 +279,8 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
                         "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s}
         row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
     if args.ceiling and device.type == "cuda" and fbg is not None:
-        row["ceiling"] = measure_ceiling(model, trajectories, flat_groups, groups, normalizer, args.attention, device,
-                                         fbg)
+        row["ceiling"] = measure_ceiling(model, trajectories, flat_groups, groups, per_mb["duplicate"][1], normalizer,
+                                         args.attention, device, fbg)
     return row, state
 
 
@@ -292,13 +291,14 @@ def ceiling_line(workload: str, e: dict) -> str:
             f"{e['share']:.2f} of its ceiling, whose F/B/Grad speedup is {e['ceiling_speedup']:.2f}x")
 
 
-def measure_ceiling(model, trajectories, flat_groups, groups, normalizer, attention, device, fbg: float) -> dict:
-    """`bench.ceiling` on the step's heaviest flat and heaviest tree microbatch (each run once more, under the CUDA
-    profiler): how close the tree runs to its exact-execution ceiling (ideal / measured kernel time) and the F/B/Grad
-    speedup it would reach there (the measured one over that share)."""
+def measure_ceiling(model, trajectories, flat_groups, groups, mbs: list[Microbatch], normalizer, attention, device,
+                    fbg: float) -> dict:
+    """`bench.ceiling` on the step's heaviest flat and heaviest tree microbatch (`groups` and their prepared `mbs`;
+    each run once more, under the CUDA profiler): how close the tree runs to its exact-execution ceiling (ideal /
+    measured kernel time) and the F/B/Grad speedup it would reach there (the measured one over that share)."""
     flat_t = [trajectories[i] for i in max(flat_groups, key=lambda g: sum(len(trajectories[i]) for i in g))]
-    tree_t = [trajectories[i] for i in max(groups, key=lambda g: pack([trajectories[i] for i in g]).num_compact)]
-    batch = pack(tree_t)
+    group, batch = max(((g, mb.batch) for g, mb in zip(groups, mbs)), key=lambda gb: gb[1].num_compact)
+    tree_t = [trajectories[i] for i in group]
     flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
                          flat_pairs(flat_t))
     tree_w, _ = profiled(lambda: tree_step(model, tree_t, device, normalizer, attention), batch.num_compact,
