@@ -48,6 +48,10 @@ LATENT_NAMES = ("kv_latent", "k_shared")
 Reader = Callable[[nn.Module, str, Sequence[str]], dict[str, torch.Tensor]]
 
 
+def _cat(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return torch.cat([own, carried[name]]) if carried else own
+
+
 def carried_names(mixer: nn.Module, kind: str) -> tuple[str, ...]:
     """The tensors `mixer` carries of `kind`."""
     return LATENT_NAMES if kind == "attention" and isinstance(mixer, MLA) else NAMES[kind]
@@ -58,15 +62,10 @@ def _take(x: torch.Tensor, rows: Index) -> torch.Tensor:
     return x[rows].clone() if isinstance(rows, slice) else x[rows]
 
 
-def _join(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """[own; carried[name]] (own alone when nothing is carried)."""
-    return torch.cat([own, carried[name]]) if carried else own
-
-
 class CarryTraffic:
     """What crosses into and out of one carry forward. `read(mixer, kind, names)` returns the tensors `names`
-    (`carried_names`: `NAMES[kind]`, MLA's attention `LATENT_NAMES`) carried in for that mixer (empty when none); `exports` are the export rows (`CarryLinks.exports`); `exported`
-    collects, per mixer, what its forward exported.
+    (`carried_names`: `NAMES[kind]`, MLA's attention `LATENT_NAMES`) carried in for that mixer (empty when none);
+    `exports` are the export rows (`CarryLinks.exports`); `exported` collects, per mixer, what its forward exported.
 
     A plain object on purpose: FSDP2 walks the dataclasses among a unit's inputs for tensors that need gradients and
     rebuilds them (`dataclasses.replace`), so what the layers write must sit behind a reference it does not walk."""
@@ -106,27 +105,26 @@ class CarryContext(TreeContext):
 
     def _attention(self, mixer: nn.Module, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
-        carried = self.read(mixer, "attention")
+        carried, names = self.read(mixer, "attention"), carried_names(mixer, "attention")
         if isinstance(mixer, MLA):
             latents = mixer.latents(h_CD, layout.positions)
-            k, v = mixer.decompress(*(_join(getattr(latents, n), carried, n) for n in LATENT_NAMES))
-            q, exported = latents.q, self._rows(latents, "attention", LATENT_NAMES)
-            rows = AttentionRows(q, k, v)
+            exported = self._rows(latents, "attention", names)
+            rows = AttentionRows(latents.q, *mixer.decompress(*(_cat(getattr(latents, n), carried, n) for n in names)))
         else:
             rows = mixer.project(h_CD, layout.positions)
-            exported = self._rows(rows, "attention", NAMES["attention"])
-            rows = AttentionRows(rows.q, _join(rows.k, carried, "k"), _join(rows.v, carried, "v"), rows.gate)
+            exported = self._rows(rows, "attention", names)
+            rows = AttentionRows(rows.q, *(_cat(getattr(rows, n), carried, n) for n in names), rows.gate)
         o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend)
         return mixer.output(o, rows), exported
 
     def _linear(self, mixer: LinearAttention, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
         rows = mixer.project(h_CD)
-        init = conv_initial_state(_join(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
+        init = conv_initial_state(_cat(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
         qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
         inputs = mixer.activate(rows, qkv_CX)
         replay = self.read(mixer, "replay")
-        core_inputs = CoreInputs(*(_join(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
+        core_inputs = CoreInputs(*(_cat(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
         o, states = linear_attention_states(mixer, core_inputs, layout, self.read(mixer, "state").get("state"),
                                             self.exports.get("state"))
         exported = {**self._rows(inputs, "replay", NAMES["replay"])}
