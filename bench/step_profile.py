@@ -1,13 +1,18 @@
 """Where one microbatch's time goes, flat vs tree, on one GPU: host synchronisations by source line and the CUDA
 kernels that take the most time (issue 7, item 5).
 
-    python -m bench.step_profile [--model ling-3-tiny] [--scale 0.01] [--capacity 65536] [--attention branch] [--json F]
+    python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
+                                 [--attention branch] [--steps] [--json F]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
 (each synchronising call counted by its last three non-torch stack frames) and once under `torch.profiler`. Last, the
 tree's kernel time against an ideal: flat's cost per row for everything but full attention and per causal query-key
 pair for flash attention (the tree's pairs shrink less than its rows); the excess is what tree execution adds.
+
+With `--steps`, also the whole step in duplicate mode (every microbatch of the HARTS plan) and in carry mode (issue
+#17: `bench.speed.carry_step`, every unique row once), each against the same ideal; "wall - kernels" of the timed
+run is the time the GPU waits for the host (preparation, launches, synchronisations).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import torch
 
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.speed import first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
+from bench.speed import carry_step, first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
+from parallel.carry_runner import CarryRunner
+from planner.carry import plan_carry
 from planner.microbatch import plan_microbatches
 from planner.pack import pack
 
@@ -69,10 +76,13 @@ def overhead_line(flat: KernelWork, tree: KernelWork) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ling-3-tiny")
+    parser.add_argument("--seed", type=int, default=0, help="SWE-like step")
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--rows", type=int, default=14, help="kernel table rows")
+    parser.add_argument("--steps", action="store_true",
+                        help="also profile the whole step in duplicate and in carry mode")
     parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
     add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
@@ -84,10 +94,11 @@ def main(argv=None) -> int:
     with torch.device(dev):
         model = HybridForCausalLM(config)
     model.set_activation_checkpointing(True)
-    trajs = swe_like_step(0, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
+    trajs = swe_like_step(args.seed, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
     flat = max(first_fit_flat(trajs, args.capacity), key=lambda g: sum(len(trajs[i]) for i in g))
     flat_trajs = [trajs[i] for i in flat]
-    tree_trajs = [trajs[i] for i in plan_microbatches(trajs, args.capacity, 1).microbatches[0].trajectories]
+    groups = [[trajs[i] for i in mb.trajectories] for mb in plan_microbatches(trajs, args.capacity, 1).microbatches]
+    tree_trajs = groups[0]
     batch = pack(tree_trajs)
     print(f"flat microbatch: {sum(len(t) for t in flat_trajs):,} tokens; tree microbatch: {batch.num_compact:,} "
           f"compact rows, {batch.num_semantic:,} semantic")
@@ -99,6 +110,18 @@ def main(argv=None) -> int:
         "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": flat_pairs(flat_trajs)},
         "tree": {"rows": batch.num_compact, "pairs": tree_pairs(batch)},
     }
+    if args.steps:
+        plan = plan_carry(trajs, args.capacity, 1)
+        runner = CarryRunner(model, attention_backend=args.attention)
+        modes["duplicate step"] = lambda: [tree_step(model, g, dev, 1e6, args.attention) for g in groups]
+        modes["carry step"] = lambda: carry_step(model, trajs, plan, dev, 1e6, runner)
+        packed = [pack(g) for g in groups]
+        work["duplicate step"] = {"rows": sum(b.num_compact for b in packed),
+                                  "pairs": sum(tree_pairs(b) for b in packed)}
+        trie = pack(trajs)
+        work["carry step"] = {"rows": trie.num_compact, "pairs": tree_pairs(trie)}
+        print(f"duplicate step: {len(groups)} microbatches, {work['duplicate step']['rows']:,} rows; carry step: "
+              f"{len(plan.microbatches)} microbatches, {trie.num_compact:,} rows (the trie)")
     measured: dict[str, KernelWork] = {}
     dump = {}
     for name, fn in modes.items():
@@ -107,7 +130,8 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             fn()
             sync(dev)
-            print(f"{name} run {run}: {time.perf_counter() - start:.2f} s", flush=True)
+            timed_s = time.perf_counter() - start
+            print(f"{name} run {run}: {timed_s:.2f} s", flush=True)
         sites = sync_sites(fn)
         print(f"{name}: {sum(sites.values())} host synchronisations")
         for site, count in sites.most_common(10):
@@ -117,7 +141,8 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - start
         measured[name] = kw
         print(f"{name}: wall {wall:.2f} s under the profiler, kernels {kw.kernel_s:.3f} s "
-              f"(flash attention {kw.flash_s:.3f} s) for {kw.rows:,} rows, {kw.pairs:.4g} query-key pairs")
+              f"(flash attention {kw.flash_s:.3f} s) for {kw.rows:,} rows, {kw.pairs:.4g} query-key pairs; "
+              f"timed run - kernels {timed_s - kw.kernel_s:+.3f} s")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
         if args.json:
@@ -126,7 +151,9 @@ def main(argv=None) -> int:
                 for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0
             ]}
         model.zero_grad(set_to_none=True)
-    print(overhead_line(measured["flat"], measured["tree"]))
+    for name in measured:
+        if name != "flat":
+            print(f"{name}: {overhead_line(measured['flat'], measured[name])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dump, f)
