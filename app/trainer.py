@@ -165,8 +165,7 @@ class LocalTrainer(Trainer):
         self._open_checkpoints(c)
         self.device = device
         self.model = model.to(device)
-        if c.parallel.activation_checkpointing == "full":
-            self.model.set_activation_checkpointing(True)
+        self.model.set_activation_checkpointing(c.parallel.recompute())
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.train.lr, betas=tuple(c.train.betas), weight_decay=c.train.weight_decay
         )

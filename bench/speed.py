@@ -2,7 +2,9 @@
 
     python -m bench.speed --model ling-3-tiny --dtype bfloat16 --device cuda --scale 0.05 --capacity 65536
 
-One process, one model (random init), full-layer activation recomputation, the same kernels in every mode
+One process, one model (random init), full-layer activation recomputation unless `--recompute` names other options
+(none, full, selective ones; several run one after the other: a table each, then seconds and peak GiB of every
+option and mode side by side), the same kernels in every mode
 (`--modes`, default all three, timed one after the other in one run):
 - flat (the baseline): trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit
   in input order, no sharing), flat packed varlen forward, log-probs, loss, backward;
@@ -42,6 +44,7 @@ from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.ops.dispatch import set_fused_rowwise
 from models.presets import preset
+from models.recompute import SelectiveRecompute
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
 from parallel.replica import prepare_carry_replica
@@ -54,6 +57,8 @@ from planner.trajectory import Trajectory
 PEAK_FLOPS = {"cuda": 989e12}
 #: What `--modes` may name, in the order they run; "duplicate" is reported under "tree".
 MODES = ("flat", "duplicate", "carry")
+#: Each mode's key in a result row.
+MODE_KEYS = ("flat", "tree", "carry", "auto")
 
 
 def low_sharing_step(seed: int, paths: int, length: int, vocab: int) -> list[Trajectory]:
@@ -357,8 +362,7 @@ def _cell(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(rows: list[dict], header: dict) -> None:
-    recompute = "on" if header["recompute"] else "off"
+def print_table(rows: list[dict], header: dict, recompute: str) -> None:
     print(f"model {header['model']} ({header['active_params'] / 1e6:.0f}M active params/token), {header['dtype']} "
           f"on {header['device_name']}, capacity {header['capacity']}, recompute {recompute}, attention "
           f"{header['attention']}, modes {','.join(header['modes'])}")
@@ -406,6 +410,44 @@ def print_table(rows: list[dict], header: dict) -> None:
     print("command: " + header["command"])
 
 
+def print_recompute_summary(rows: list[dict]) -> None:
+    """One line per `--recompute` option and workload: each mode's seconds and peak GiB."""
+    print("recompute options: seconds / peak GiB per mode")
+    print(" ".join(f"{c:>13}" for c in ["workload", *MODE_KEYS]) + " recompute")
+    for r in rows:
+        cells = [f"{_cell(r.get(k, {}).get('seconds'), '.2f')} / {_cell(r.get(k, {}).get('peak_gib'), '.1f')}"
+                 for k in MODE_KEYS]
+        print(" ".join(f"{v:>13}" for v in [r["workload"], *cells]) + " " + r["recompute"])
+
+
+def parse_recompute(text: str) -> bool | SelectiveRecompute:
+    """A `--recompute` option: "none", "full", or "selective[:key=value,...]" with the fields of
+    `models.recompute.SelectiveRecompute` (lists joined by "+"), e.g. "selective:part=ffn,save=experts+attention",
+    "selective:layers=linear_attention,save=", "selective:every=2" -> what `set_activation_checkpointing` takes."""
+    if text in ("none", "full"):
+        return text == "full"
+    kind, _, spec = text.partition(":")
+    if kind != "selective":
+        raise argparse.ArgumentTypeError(f"got {text!r}: give none, full or selective[:key=value,...]")
+    fields = {f.name for f in dataclasses.fields(SelectiveRecompute)}
+    kwargs = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise argparse.ArgumentTypeError(f"got {item!r} in {text!r}: write key=value with a key among "
+                                             f"{', '.join(sorted(fields))}")
+        if key == "every":
+            if not value.isdigit():
+                raise argparse.ArgumentTypeError(f"got every={value!r} in {text!r}: give a positive integer")
+            kwargs[key] = int(value)
+        else:
+            kwargs[key] = value if key == "part" else tuple(filter(None, value.split("+")))
+    try:
+        return SelectiveRecompute(**kwargs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def parse_modes(text: str) -> tuple[str, ...]:
     """`--modes`: a comma-separated subset of MODES, run in MODES' order."""
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -438,12 +480,20 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; each microbatch counts its fastest")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-recompute", action="store_true")
+    parser.add_argument("--recompute", nargs="+", default=["full"], metavar="OPTION",
+                        help="activation recomputation, one run per option: none, full (default), or "
+                             "selective[:key=value,...] with the keys of [parallel.selective] (layers, part, every, "
+                             "save; lists joined by +), e.g. selective:part=ffn,save=experts")
     parser.add_argument("--json", help="also write results to this file")
     add_kernel_cache_option(parser)
     parser.add_argument("--fused-rowwise", action="store_true",
                         help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
     args = parser.parse_args(argv)
+    for text in args.recompute:
+        try:
+            parse_recompute(text)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument --recompute: {e}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
@@ -454,30 +504,38 @@ def main(argv=None) -> int:
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
         model = HybridForCausalLM(config)
-    model.set_activation_checkpointing(not args.no_recompute)
     V = config.vocab_size
     workloads = [("swe", swe_like_step(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=V,
                                        max_path_tokens=args.capacity))]
     if args.low_paths:
         workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
-    measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
-    rows = [row for row, _ in measured]
-    cost = None
-    if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
-        cost = fit_cost_model([state for _, state in measured])
-        for row, state in measured:
-            row["auto"] = run_auto(state, cost, model, args, device)
-            row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
+    rows, costs = [], []
+    for index, text in enumerate(args.recompute):
+        print(f"recompute {text}", file=sys.stderr, flush=True)
+        model.set_activation_checkpointing(parse_recompute(text))
+        measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
+        cost = None
+        if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
+            cost = fit_cost_model([state for _, state in measured])
+            for row, state in measured:
+                row["auto"] = run_auto(state, cost, model, args, device)
+                row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
+        for row, _ in measured:
+            rows.append({**row, "recompute": text, "recompute_index": index})
+        costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
-        "modes": list(args.modes), "recompute": not args.no_recompute, "carry_resident": args.carry_resident,
+        "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": args.fused_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
-        "cost_model": cost,
+        "cost_model": costs[0] if len(costs) == 1 else costs,
         "command": "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    print_table(rows, header)
+    for index, (text, cost) in enumerate(zip(args.recompute, costs)):
+        print_table([r for r in rows if r["recompute_index"] == index], {**header, "cost_model": cost}, text)
+    if len(args.recompute) > 1:
+        print_recompute_summary(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "results": rows}, f, indent=1)

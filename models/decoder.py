@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from models.attention_core import VarlenCausalMask
 from models.config import GatedAttentionConfig, GDNConfig, ModelConfig
@@ -39,6 +38,7 @@ from models.logprobs import compact_logprobs
 from models.mla import MLA
 from models.moe import MoE, MoEStats
 from models.norms import RMSNorm
+from models.recompute import LayerRecompute, SelectiveRecompute
 from models.tree.attention import Backend
 from models.tree.layout import TreeLayout
 from models.tree.mixers import TreeContext
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(D, config.dense_ffn.intermediate_size) if self.ffn_type == "dense" else MoE(config.moe, D)
         self.input_layernorm = RMSNorm(D, eps, zc)
         self.post_attention_layernorm = RMSNorm(D, eps, zc)
-        self.checkpoint_activations = False
+        self.recompute: LayerRecompute | None = None
 
     @property
     def mixer(self) -> GatedAttention | MLA | GatedDeltaNet | KimiDeltaAttention:
@@ -131,18 +131,32 @@ class DecoderLayer(nn.Module):
     def forward(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> tuple[torch.Tensor, MoEStats | None]:
         """x `[T, D]` (compact rows `[C, D]` under a TreeContext) -> (x, MoE statistics or None for a dense FFN).
 
-        With `checkpoint_activations` (and grad enabled) the activations are recomputed in backward from the same
-        `ctx`, inside this module's call (so inside its FSDP2 unit, after the unit's parameters are gathered).
+        With `recompute` set (and grad enabled) the part it names is recomputed in backward from the same `ctx`,
+        inside this module's call (so inside its FSDP2 unit, after the unit's parameters are gathered).
         """
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._residual_blocks, x_TD, ctx, use_reentrant=False)
-        return self._residual_blocks(x_TD, ctx)
+        r = self.recompute
+        if r is None or not torch.is_grad_enabled():
+            return self._residual_blocks(x_TD, ctx)
+        if r.part == "layer":
+            return r.run(self._residual_blocks, x_TD, ctx)
+        m_TD = r.run(self._mixer_block, x_TD, ctx) if r.part == "mixer" else self._mixer_block(x_TD, ctx)
+        return r.run(self._ffn_block, m_TD, x_TD, ctx) if r.part == "ffn" else self._ffn_block(m_TD, x_TD, ctx)
 
     def _residual_blocks(
         self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext
     ) -> tuple[torch.Tensor, MoEStats | None]:
+        return self._ffn_block(self._mixer_block(x_TD, ctx), x_TD, ctx)
+
+    def _mixer_block(self, x_TD: torch.Tensor, ctx: FlatContext | TreeContext) -> torch.Tensor:
+        """The token mixer's output `[T, D]` on the normed rows (before the residual add)."""
+        return ctx.mix(self.mixer, self.input_layernorm(x_TD))
+
+    def _ffn_block(
+        self, m_TD: torch.Tensor, x_TD: torch.Tensor, ctx: FlatContext | TreeContext
+    ) -> tuple[torch.Tensor, MoEStats | None]:
+        """Mixer output m and layer input x `[T, D]` -> (layer output `[T, D]`, MoE statistics or None)."""
         # The mixer's residual add is fused into the second norm (one pass on CUDA), which returns the sum too.
-        h_TD, x_TD = self.post_attention_layernorm(ctx.mix(self.mixer, self.input_layernorm(x_TD)), x_TD)
+        h_TD, x_TD = self.post_attention_layernorm(m_TD, x_TD)
         if self.ffn_type == "moe":
             h_TD, stats = self.mlp(h_TD, ctx.row_weight)
         else:
@@ -241,11 +255,16 @@ class HybridForCausalLM(nn.Module):
             ):
                 module.reset_parameters()
 
-    def set_activation_checkpointing(self, layers: bool | Iterable[int]) -> None:
-        """Recompute the activations of the given layers (True = all, False = none) in backward."""
-        chosen = set(range(self.config.num_layers)) if layers is True else set() if layers is False else set(layers)
-        for i, layer in enumerate(self.model.layers):
-            layer.checkpoint_activations = i in chosen
+    def set_activation_checkpointing(self, layers: bool | Iterable[int] | SelectiveRecompute) -> None:
+        """Recompute activations in backward: True = every layer whole ("full"), False = none, layer ids = those
+        layers whole, a `SelectiveRecompute` = the layers, part and saved ops it chooses."""
+        if isinstance(layers, SelectiveRecompute):
+            choices = layers.per_layer(self.config)
+        else:
+            chosen = set(range(self.config.num_layers)) if layers is True else set() if layers is False else set(layers)
+            choices = [LayerRecompute() if i in chosen else None for i in range(self.config.num_layers)]
+        for layer, choice in zip(self.model.layers, choices):
+            layer.recompute = choice
 
     def hidden_states(
         self,

@@ -14,12 +14,13 @@ The app exposes these fields as the TOML section `[parallel]` (one key per field
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from models.config import GatedAttentionConfig, GDNConfig, KDAConfig, MLAConfig, ModelConfig
+from models.recompute import SelectiveRecompute
 
 __all__ = ["ParallelConfig", "pipeline_support"]
 
@@ -58,8 +59,16 @@ class ParallelConfig:
     pp_schedule: Literal["1F1B", "Interleaved1F1B"] = "1F1B"
     """torch.distributed.pipelining schedule for pp > 1: "1F1B" runs one stage per rank and needs at least pp
     microbatches per replica; "Interleaved1F1B" runs two stages per rank (stage s on pp rank s mod pp), any count."""
-    activation_checkpointing: Literal["none", "full"] = "none"
-    """"full": every decoder layer is recomputed in backward from the same tree layout (HARTS runs this way)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """What backward recomputes instead of keeping from the forward (`models.recompute`; flat, tree and carry
+    execution alike, from the same layout). "none": keep every activation (most memory, no extra compute). "full":
+    every decoder layer from its input (HARTS runs this way): least memory (one `[T, D]` input per layer), one more
+    forward of every layer. "selective": what `selective` chooses (layer kinds, the part of a layer, every N-th layer,
+    op outputs kept), in between on both counts."""
+    selective: SelectiveRecompute = field(default_factory=SelectiveRecompute)
+    """With activation_checkpointing = "selective" (TOML `[parallel.selective]`): `layers` (layer kinds that
+    recompute), `part` ("layer", "mixer", "ffn"), `every` (N), `save` (op groups kept: "attention", "experts", "mm");
+    see `models.recompute.SelectiveRecompute` for each option's memory/compute trade."""
     compile: bool = False
     """torch.compile the row-wise modules that hold no collectives (RMSNorms, SwiGLU MLPs outside tensor
     parallelism) with dynamic shapes. Whole layers are not compiled: their control flow follows each microbatch's
@@ -81,6 +90,15 @@ class ParallelConfig:
                 raise ValueError(f"`parallel.{name}` must be >= 1, got {getattr(self, name)}")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"`parallel.dp_shard` must be >= 1 or -1 (rest of the world), got {self.dp_shard}")
+        if self.activation_checkpointing not in _CHECKPOINTING:
+            raise ValueError(f"`parallel.activation_checkpointing` must be one of {_CHECKPOINTING}, got "
+                             f"{self.activation_checkpointing!r}")
+        if self.activation_checkpointing != "selective" and self.selective != SelectiveRecompute():
+            raise ValueError(
+                f"`parallel.selective` is set but `parallel.activation_checkpointing` is "
+                f"{self.activation_checkpointing!r}, which ignores it: set activation_checkpointing = 'selective' or "
+                "remove the [parallel.selective] settings"
+            )
         if self.pp_schedule not in _PP_SCHEDULES:
             raise ValueError(f"`parallel.pp_schedule` must be one of {_PP_SCHEDULES}, got {self.pp_schedule!r}")
 
@@ -94,6 +112,12 @@ class ParallelConfig:
                 f"must equal the world size {world_size}: change the degrees or the number of launched ranks"
             )
         return ParallelConfig(**{**self.__dict__, "dp_shard": dp_shard})
+
+    def recompute(self) -> bool | SelectiveRecompute:
+        """What `HybridForCausalLM.set_activation_checkpointing` takes for `activation_checkpointing`."""
+        if self.activation_checkpointing == "selective":
+            return self.selective
+        return self.activation_checkpointing == "full"
 
     @property
     def dp(self) -> int:
@@ -155,6 +179,7 @@ class ParallelConfig:
 
 
 _PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+_CHECKPOINTING = ("none", "full", "selective")
 
 
 def _tp_split_sizes(model: ModelConfig) -> dict[str, int]:

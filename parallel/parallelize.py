@@ -49,7 +49,7 @@ def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config:
         use_vocab_parallel_logprobs(model)
     if config.ep > 1:
         apply_expert_parallel(model, meshes.ep, meshes.tp if config.tp > 1 else None)
-    model.set_activation_checkpointing(config.activation_checkpointing == "full")
+    model.set_activation_checkpointing(config.recompute())
     if config.compile:
         apply_compile(model, config.compile_backend)
     apply_fsdp([model], meshes, config)

@@ -166,7 +166,7 @@ def pipeline_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config: Pa
     `model` (on `device`), then this rank's stages with FSDP2. The stages take over `model`'s modules; drop `model`
     afterwards (the other stages' layers are freed with it)."""
     config.validate(model.config, pipelined=True)
-    model.set_activation_checkpointing(config.activation_checkpointing == "full")
+    model.set_activation_checkpointing(config.recompute())
     if config.compile:
         apply_compile(model, config.compile_backend)
     pipelined = PipelinedCausalLM(model, config, meshes, device)

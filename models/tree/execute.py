@@ -4,8 +4,8 @@ Legend: C compact rows (physical order of the plan), D model dim, S semantic pos
 
 The model runs its own layer loop under a `models.tree.mixers.TreeContext` (see `models.decoder`); the tree's row
 couplings (ancestor attention, ancestor-context conv, round-wise linear attention) are in `models.tree.mixers`.
-Layers with activation checkpointing on (`model.set_activation_checkpointing`) are recomputed in backward from the
-same layout (nothing is re-planned).
+Layers with activation checkpointing on (`model.set_activation_checkpointing`, `models.recompute`) recompute their
+chosen part in backward from the same layout (nothing is re-planned).
 """
 
 from __future__ import annotations

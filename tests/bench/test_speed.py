@@ -52,3 +52,30 @@ def test_unknown_mode(capsys):
         main(["--modes", "flat,tree"])
     assert exit_.value.code == 2
     assert "name one or more of flat, duplicate, carry" in capsys.readouterr().err
+
+
+def test_recompute_options_side_by_side(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    options = ["none", "selective:part=ffn,save=experts+mm", "selective:layers=linear_attention,every=2,save="]
+    assert main(["--model", "tiny-kimi-linear", "--dtype", "float32", "--device", "cpu", "--scale", "0.002",
+                 "--token-scale", "0.02", "--capacity", "4096", "--low-paths", "0", "--modes", "flat,duplicate",
+                 "--no-auto", "--warmup", "0", "--repeat", "1", "--recompute", *options, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["header"]["recompute"] == options
+    assert [row["recompute"] for row in r["results"]] == options
+    assert all(row["flat"]["seconds"] > 0 and row["tree"]["seconds"] > 0 for row in r["results"])
+    printed = capsys.readouterr().out
+    assert "recompute options: seconds / peak GiB per mode" in printed
+    for option in options:
+        assert f"recompute {option}, attention" in printed and printed.count(f" {option}\n") == 1
+
+
+@pytest.mark.parametrize("option, message", [
+    ("some", "give none, full or selective"), ("selective:parts=ffn", "key among"),
+    ("selective:every=x", "positive integer"), ("selective:save=flash", "`save` entries"),
+])
+def test_bad_recompute_option(capsys, option, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--recompute", option])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

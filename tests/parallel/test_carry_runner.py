@@ -7,7 +7,8 @@ is the model's flat packed forward over every trajectory separately (no trie, no
 loss weights over all positions. Compared: per-position log-probs, the step loss, the router z-loss (linear in the
 rows, so its sum over microbatches is the trajectory-wise one), the load-balancing loss of each microbatch against
 the flat run restricted to that microbatch's rows (it is nonlinear per microbatch, with or without carry), and every
-parameter gradient; GDN and KDA families, MoE, recomputation on and off. Ablations that drop the gradients injected
+parameter gradient; GDN and KDA families, MoE, recomputation off, full and each selective option
+(`tests.models.test_recompute.OPTIONS`). Ablations that drop the gradients injected
 into the carried keys/values or states must fail.
 """
 
@@ -30,6 +31,7 @@ from parallel.carry_runner import CarryRunner
 from planner.pack import pack
 from tests.models.tree.test_carry_layout import carry_parts, step_trees
 from tests.models.tree.test_execute import make_model
+from tests.models.test_recompute import OPTIONS
 from tests.reference import reference_token_weights
 
 TOL = 1e-10
@@ -120,7 +122,7 @@ def relative_errors(reference, carried):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, *OPTIONS.values()], ids=["none", "full", *OPTIONS])
 def test_carry_equals_trajectory_wise(name, recompute):
     reference, model = make_model(name, torch.float64), make_model(name, torch.float64)
     B = model.config.chunk_size

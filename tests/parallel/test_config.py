@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from models.presets import preset
+from models.recompute import SelectiveRecompute
 from parallel.config import ParallelConfig, pipeline_support
 
 
@@ -56,3 +57,14 @@ def test_pipeline_support_names_the_torch_version():
         assert reason is None
     else:
         assert torch.__version__ in reason and "2.14" in reason
+
+
+def test_activation_checkpointing_choices():
+    assert ParallelConfig().recompute() is False
+    assert ParallelConfig(activation_checkpointing="full").recompute() is True
+    chosen = SelectiveRecompute(part="ffn")
+    assert ParallelConfig(activation_checkpointing="selective", selective=chosen).recompute() is chosen
+    with pytest.raises(ValueError, match="`parallel.activation_checkpointing` must be one of"):
+        ParallelConfig(activation_checkpointing="op")
+    with pytest.raises(ValueError, match="`parallel.selective` is set but"):
+        ParallelConfig(activation_checkpointing="full", selective=chosen)

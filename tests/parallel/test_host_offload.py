@@ -11,6 +11,7 @@ from parallel.carry_runner import CarryRunner
 from parallel.host_offload import offloaded_forwards, stays
 from tests.models.tree.test_carry_layout import step_trees
 from tests.models.tree.test_execute import make_model
+from tests.models.test_recompute import OPTIONS
 from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
 
 F, B = "forward", "backward"
@@ -55,7 +56,7 @@ class RoundTrip:
         return 1.5 * t if self.corrupt and t.is_floating_point() else t.clone()
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, OPTIONS["op"]], ids=["none", "full", "op"])
 def test_every_held_microbatch_offloaded_equals_trajectory_wise(monkeypatch, recompute):
     reference, model = make_model("tiny-kimi-linear", torch.float64), make_model("tiny-kimi-linear", torch.float64)
     trees = step_trees(model.config.chunk_size, model.config.vocab_size)

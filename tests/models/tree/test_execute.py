@@ -2,7 +2,8 @@
 
 The reference is the model's own flat packed forward over every trajectory separately (an independent code path:
 no trie, no plan, zero initial states, causal varlen attention). Compared: semantic log-probs, a per-token policy
-loss, MoE aux losses, and every parameter gradient; with activation recomputation on and off. The no-replay ablation
+loss, MoE aux losses, and every parameter gradient; without recomputation, with full recomputation and with each
+selective option of `tests.models.test_recompute.OPTIONS`. The no-replay ablation
 must differ measurably on the same trees in float32 (in float64 every chunking agrees to rounding).
 """
 
@@ -22,6 +23,7 @@ from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
 from planner.pack import pack
 from bench.branching import nested_fork_trajectories
+from tests.models.test_recompute import OPTIONS
 
 TOL = 1e-10
 
@@ -89,7 +91,7 @@ def grads(model, loss):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, *OPTIONS.values()], ids=["none", "full", *OPTIONS])
 def test_tree_equals_flat_float64(name, recompute):
     rng = np.random.default_rng(7)
     model = make_model(name, torch.float64)
