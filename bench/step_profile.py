@@ -2,7 +2,7 @@
 kernels that take the most time (issue 7, item 5).
 
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
-                                 [--attention branch] [--steps] [--json F]
+                                 [--attention branch] [--modes flat,tree,duplicate,carry] [--json F]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
@@ -10,9 +10,10 @@ step, runs each twice (the first run autotunes and compiles), then once with `to
 tree's kernel time against an ideal: flat's cost per row for everything but full attention and per causal query-key
 pair for flash attention (the tree's pairs shrink less than its rows); the excess is what tree execution adds.
 
-With `--steps`, also the whole step in duplicate mode (every microbatch of the HARTS plan) and in carry mode (issue
-#17: `bench.speed.carry_step`, every unique row once), each against the same ideal; "wall - kernels" of the timed
-run is the time the GPU waits for the host (preparation, launches, synchronisations).
+`--modes` picks what runs (default flat,tree): also "duplicate", the whole step in duplicate mode (every microbatch
+of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench.speed.carry_step`, every unique row
+once), each against the same ideal when flat runs too; "timed run - kernels" is the time the GPU waits for the host
+(preparation, launches, synchronisations).
 """
 
 from __future__ import annotations
@@ -81,11 +82,16 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--attention", default="branch", choices=["dense", "flex", "branch"])
     parser.add_argument("--rows", type=int, default=14, help="kernel table rows")
-    parser.add_argument("--steps", action="store_true",
-                        help="also profile the whole step in duplicate and in carry mode")
+    parser.add_argument("--modes", default="flat,tree",
+                        help="comma-separated: flat (heaviest flat microbatch), tree (first duplicate microbatch), "
+                             "duplicate (the whole duplicate step), carry (the whole carry step)")
     parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
     add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
+    chosen = args.modes.split(",")
+    unknown = sorted(set(chosen) - {"flat", "tree", "duplicate", "carry"})
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose among flat, tree, duplicate, carry")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     open_kernel_cache(args)
@@ -102,26 +108,25 @@ def main(argv=None) -> int:
     batch = pack(tree_trajs)
     print(f"flat microbatch: {sum(len(t) for t in flat_trajs):,} tokens; tree microbatch: {batch.num_compact:,} "
           f"compact rows, {batch.num_semantic:,} semantic")
-    modes = {
+    trie = pack(trajs)
+    packed = [pack(g) for g in groups]
+    plan = plan_carry(trajs, args.capacity, 1) if "carry" in chosen else None
+    runner = CarryRunner(model, attention_backend=args.attention) if plan else None
+    steps = {
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
         "tree": lambda: tree_step(model, tree_trajs, dev, 1e6, args.attention),
+        "duplicate": lambda: [tree_step(model, g, dev, 1e6, args.attention) for g in groups],
+        "carry": lambda: carry_step(model, trajs, plan, dev, 1e6, runner),
     }
     work = {
         "flat": {"rows": sum(len(t) for t in flat_trajs), "pairs": flat_pairs(flat_trajs)},
         "tree": {"rows": batch.num_compact, "pairs": tree_pairs(batch)},
+        "duplicate": {"rows": sum(b.num_compact for b in packed), "pairs": sum(tree_pairs(b) for b in packed)},
+        "carry": {"rows": trie.num_compact, "pairs": tree_pairs(trie)},
     }
-    if args.steps:
-        plan = plan_carry(trajs, args.capacity, 1)
-        runner = CarryRunner(model, attention_backend=args.attention)
-        modes["duplicate step"] = lambda: [tree_step(model, g, dev, 1e6, args.attention) for g in groups]
-        modes["carry step"] = lambda: carry_step(model, trajs, plan, dev, 1e6, runner)
-        packed = [pack(g) for g in groups]
-        work["duplicate step"] = {"rows": sum(b.num_compact for b in packed),
-                                  "pairs": sum(tree_pairs(b) for b in packed)}
-        trie = pack(trajs)
-        work["carry step"] = {"rows": trie.num_compact, "pairs": tree_pairs(trie)}
-        print(f"duplicate step: {len(groups)} microbatches, {work['duplicate step']['rows']:,} rows; carry step: "
-              f"{len(plan.microbatches)} microbatches, {trie.num_compact:,} rows (the trie)")
+    print(f"duplicate step: {len(groups)} microbatches, {work['duplicate']['rows']:,} rows; carry step: "
+          f"{len(plan.microbatches) if plan else '-'} microbatches, {trie.num_compact:,} rows (the trie)")
+    modes = {name: steps[name] for name in chosen}
     measured: dict[str, KernelWork] = {}
     dump = {}
     for name, fn in modes.items():
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
             ]}
         model.zero_grad(set_to_none=True)
     for name in measured:
-        if name != "flat":
+        if name != "flat" and "flat" in measured:
             print(f"{name}: {overhead_line(measured['flat'], measured[name])}")
     if args.json:
         with open(args.json, "w") as f:
