@@ -20,6 +20,16 @@ from app.config_loader import load_config, to_toml
 from app.launch import launch_size, torchrun_command, under_torchrun
 from planner.jsonl import TrajectoryFileError
 
+#: Set in the environment of the ranks this entry point relaunches under torchrun: their parent already printed the
+#: config's warnings.
+WARNED_ENV = "ARBOR_CONFIG_WARNED"
+
+
+def warns() -> bool:
+    """Whether this process prints the config's warnings: once per job, by the process that checked it first (the
+    parent of a relaunch, else rank 0)."""
+    return os.environ.get("RANK", "0") == "0" and WARNED_ENV not in os.environ
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan_report(config)
         from app.preflight import check_offline_job, check_rl_job
 
-        if config.job.kind == "offline" and os.environ.get("RANK", "0") == "0":
+        if config.job.kind == "offline" and warns():
             from app.config import ignored_by_offline_job
 
             ignored = ignored_by_offline_job(config)
@@ -61,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         relaunch = launch_size(config) > 1 and not under_torchrun()
         command = torchrun_command(config, args.config, [a for a in argv if a != args.config]) if relaunch else None
         for warning in (check_rl_job if config.job.kind == "rl" else check_offline_job)(config):
-            if os.environ.get("RANK", "0") == "0":
+            if warns():
                 print(f"warning: {warning}", file=sys.stderr)
         if command is not None:
             print(f"[arbor] {launch_size(config)} ranks: {' '.join(command)}", file=sys.stderr, flush=True)
+            os.environ[WARNED_ENV] = "1"
             os.execv(command[0], command)
         if config.job.kind == "offline":
             from app.offline_job import run_offline

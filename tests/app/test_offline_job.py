@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.__main__ import main
+from app.__main__ import WARNED_ENV, main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
 from app.config_loader import ConfigError, load_config
@@ -348,6 +348,18 @@ def test_settings_an_offline_job_ignores_are_named_once(tmp_path, capsys):
     assert main([str(config), "--train.steps=1", "--train.trajectories_per_step=8"]) == 0
     (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert warning == "warning: an offline job (objective 'rl') ignores train.trajectories_per_step"
+
+
+def test_ranks_relaunched_by_the_entry_point_do_not_warn_again(tmp_path, capsys, monkeypatch):
+    """The parent of a torchrun relaunch prints the config's warnings and marks the ranks' environment; rank 0 of
+    those ranks (and any other rank) then stays silent, so each warning reaches the user once."""
+    config = offline_job(tmp_path / "a")
+    monkeypatch.setenv(WARNED_ENV, "1")
+    assert main([str(config), "--train.steps=1", "--rollout.tasks_per_step=3"]) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    monkeypatch.delenv(WARNED_ENV)
+    assert main([str(config), "--train.steps=1", "--rollout.tasks_per_step=3", "--checkpoint.resume=false"]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
 
 
 def test_resuming_another_kind_of_job_is_one_error(tmp_path, capsys):
