@@ -4,12 +4,26 @@ causal convention of `naive.py`; k/v heads may be fewer than q heads, and the va
 query/key head dim K (MLA's 128 against 192) with no padding.
 
 torch 2.11 exposes these ops but no public varlen API over them (`torch.nn.attention.varlen` runs flash only, and
-scaled_dot_product_attention on nested tensors takes cuDNN for head dims <= 128 with q, k and v equal)."""
+scaled_dot_product_attention on nested tensors takes cuDNN for head dims <= 128 with q, k and v equal).
+
+Its ragged causal mask is aligned top-left (on the H200 with torch 2.11 and cuDNN 9.19: query i of a sequence sees
+keys j <= i whatever the key length), which equals bottom-right only when every sequence has as many keys as queries
+(flat execution). For views with more keys than queries (the tree's branch views: h = len_k - len_q ancestor rows,
+then the branch's own rows) each sequence is split into its ancestors, which every query sees (one non-causal call),
+and its own rows, a square causal block (one causal call); the two partial results merge by their log-sum-exps,
+out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_1, lse_2), rounded once. Each part's backward takes the
+merged out and lse (softmax probabilities against the whole row, and rowsum(dout * out) of the whole row), so the
+parts' gradients add up to the whole's: dq = dq_1 + dq_2, and dk/dv land on the parts' own rows. The split costs a
+second call per pass and a gather of each view's keys and values. Every sequence needs len_k >= len_q (as the
+reference's rows need a visible key), so total keys == total queries means every sequence is square.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from models.dtypes import upcast
 from models.ops.varlen_attention.flash import int32_offsets
 
 __all__ = ["cudnn_varlen_backward", "cudnn_varlen_forward", "cudnn_unavailable"]
@@ -33,22 +47,70 @@ def _check() -> None:
         raise RuntimeError(f"attention backend 'cudnn': {reason}; use set_attention_backend('flash')")
 
 
-def cudnn_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
-    """-> (out `[Q, H, V]`, lse: cuDNN's float32 softmax statistics, passed back unchanged to the backward)."""
-    _check()
+def _forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
     out, lse, *_ = torch.ops.aten._cudnn_attention_forward(
-        q_QHK, k_SGK, v_SGV, None, int32_offsets(cu_q), int32_offsets(cu_k), max_q, max_k, True, 0.0, True, False,
-        scale=scale,
+        q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale
     )
     return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    # Without dropout the kernel never reads the philox seed and offset.
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._cudnn_attention_backward(
+        dout, q, k, v, out, lse, unused, unused, None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale
+    )
+
+
+def _split(cu_q: torch.Tensor, cu_k: torch.Tensor, Q: int, S: int):
+    """-> (own [Q]: the key row on each query's diagonal; ancestors [S - Q]: the first len_k - len_q key rows of each
+    sequence; their int32 offsets [N+1]; has_ancestors [Q, 1, 1]: the query's sequence has some; seen [S - Q, 1, 1]:
+    the ancestor row's sequence has queries), all on the device without a host sync."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    n = torch.arange(cu_q.numel() - 1, device=cu_q.device)
+    lengths = cu_q.diff()
+    h = cu_k.diff() - lengths
+    seq_q = torch.repeat_interleave(n, lengths, output_size=Q)
+    own = torch.arange(Q, device=cu_q.device) + (cu_k[1:] - cu_q[1:])[seq_q]
+    cu_a = F.pad(h.cumsum(0), (1, 0))
+    seq_a = torch.repeat_interleave(n, h, output_size=S - Q)
+    ancestors = torch.arange(S - Q, device=cu_q.device) + (cu_k[:-1] - cu_a[:-1])[seq_a]
+    return own, ancestors, cu_a.to(torch.int32), (h > 0)[seq_q][:, None, None], (lengths > 0)[seq_a][:, None, None]
+
+
+def cudnn_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+    """-> (out `[Q, H, V]`, lse `[Q, H, 1]` float32: cuDNN's softmax statistics, passed back unchanged to the
+    backward)."""
+    _check()
+    Q, S = q_QHK.shape[0], k_SGK.shape[0]
+    cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
+    if S == Q:
+        return _forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale, True)
+    own, ancestors, cu_a, has, _ = _split(cu_q, cu_k, Q, S)
+    out_own, lse_own = _forward(q_QHK, k_SGK[own], v_SGV[own], cu_q, cu_q, max_q, max_q, scale, True)
+    out_anc, lse_anc = _forward(q_QHK, k_SGK[ancestors], v_SGV[ancestors], cu_q, cu_a, max_q, max_k, scale, False)
+    lse_anc = lse_anc.masked_fill(~has, float("-inf"))
+    lse = torch.logaddexp(lse_own, lse_anc)
+    dt = upcast(q_QHK.dtype)
+    out = out_own.to(dt) * (lse_own - lse).exp() + out_anc.to(dt).masked_fill(~has, 0.0) * (lse_anc - lse).exp()
+    return out.to(q_QHK.dtype), lse
 
 
 def cudnn_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q: int, max_k: int,
                           scale: float):
     """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, V]`)."""
-    # Without dropout the kernel never reads the philox seed and offset.
-    unused = torch.empty(0, device=q_QHK.device)
-    return torch.ops.aten._cudnn_attention_backward(
-        dout_QHV.contiguous(), q_QHK, k_SGK, v_SGV, out_QHV, lse, unused, unused, None, int32_offsets(cu_q),
-        int32_offsets(cu_k), max_q, max_k, 0.0, True, scale=scale,
-    )
+    Q, S = q_QHK.shape[0], k_SGK.shape[0]
+    cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
+    dout_QHV = dout_QHV.contiguous()
+    if S == Q:
+        return _backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q, max_k, scale, True)
+    own, ancestors, cu_a, has, seen = _split(cu_q, cu_k, Q, S)
+    dq, dk_own, dv_own = _backward(dout_QHV, q_QHK, k_SGK[own], v_SGV[own], out_QHV, lse, cu_q, cu_q, max_q, max_q,
+                                   scale, True)
+    dq_anc, dk_anc, dv_anc = _backward(dout_QHV, q_QHK, k_SGK[ancestors], v_SGV[ancestors], out_QHV, lse, cu_q, cu_a,
+                                       max_q, max_k, scale, False)
+    dk, dv = torch.empty_like(k_SGK), torch.empty_like(v_SGV)
+    dk[own], dv[own] = dk_own, dv_own
+    # Ancestor rows of a sequence without queries get no gradient (the kernel need not write them).
+    dk[ancestors], dv[ancestors] = dk_anc.masked_fill(~seen, 0.0), dv_anc.masked_fill(~seen, 0.0)
+    return dq + dq_anc.masked_fill(~has, 0.0), dk, dv
