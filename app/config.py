@@ -211,7 +211,8 @@ class TrainConfig:
     """GPU jobs: the kernels of packed causal full attention in bf16, the same for flat and tree execution
     (`models.ops.dispatch.set_attention_backend`; `attention_backend` above chooses how the tree's attention is laid
     out, this what runs it): "flash" (torch's varlen FlashAttention-2) or "cudnn" (cuDNN's ragged SDPA, no value
-    padding for MLA; `python -m bench.attention` compares them). CPU jobs ignore it."""
+    padding for MLA, but about 8x slower than flash with torch 2.11 on an H200: models/ops/README.md;
+    `python -m bench.attention` compares them). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

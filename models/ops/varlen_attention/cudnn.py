@@ -5,6 +5,8 @@ query/key head dim K (MLA's 128 against 192) with no padding.
 
 torch 2.11 exposes these ops but no public varlen API over them (`torch.nn.attention.varlen` runs flash only, and
 scaled_dot_product_attention on nested tensors takes cuDNN for head dims <= 128 with q, k and v equal).
+On the H200 with torch 2.11 these ragged calls ran about 8x slower than flash on a 60,664-row flat microbatch
+(models/ops/README.md, "Attention backends"): correct, not yet fast.
 
 Its ragged causal mask is aligned top-left (on the H200 with torch 2.11 and cuDNN 9.19: query i of a sequence sees
 keys j <= i whatever the key length), which equals bottom-right only when every sequence has as many keys as queries
