@@ -192,7 +192,7 @@ class TrainConfig:
     """Aux-loss-free balancing step of models with expert biases (Kimi-Linear); 0 = off."""
     attention_backend: Literal["dense", "flex", "branch"] = "dense"
     """Tree full-attention backend (models/tree/attention.py): "dense" is the O(C^2)-memory reference for CPUs;
-    "branch" (HARTS's packed Q/KV views, `attention_kernels` in bf16) on GPUs; "flex" (FlexAttention, O(C) mask) measured
+    "branch" (HARTS's packed Q/KV views, flash kernel in bf16) on GPUs; "flex" (FlexAttention, O(C) mask) measured
     2.4x slower than "branch" on an H200 (bench/RESULTS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Trainer device; "auto" = cuda when available."""
@@ -207,12 +207,6 @@ class TrainConfig:
     """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
     Triton kernels (models/ops, `set_fused_rowwise`) instead of their plain-torch references. Experimental, off by
     default until the bf16 tree-vs-flat fidelity is measured with them (bench/RESULTS.md). CPU jobs ignore it."""
-    attention_kernels: Literal["flash", "cudnn"] = "flash"
-    """GPU jobs: the kernels of packed causal full attention in bf16, the same for flat and tree execution
-    (`models.ops.dispatch.set_attention_backend`; `attention_backend` above chooses how the tree's attention is laid
-    out, this what runs it): "flash" (torch's varlen FlashAttention-2) or "cudnn" (cuDNN's ragged SDPA, no value
-    padding for MLA, but about 8x slower than flash with torch 2.11 on an H200: models/ops/README.md;
-    `python -m bench.attention` compares them). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

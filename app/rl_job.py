@@ -40,7 +40,7 @@ from app.data import DataError, DataExhausted, TaskFeed, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
 from app.first_step import FirstStepWatch
-from models.ops.dispatch import set_attention_backend, set_fused_rowwise
+from models.ops.dispatch import set_fused_rowwise
 from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
                          sft_line, sft_scalars, train_scalars)
@@ -170,7 +170,6 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         kernel_cache = _kernel_cache(c)
         set_fused_rowwise(c.train.fused_rowwise)
-        set_attention_backend(c.train.attention_kernels)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
         self.env = self._environment()
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:

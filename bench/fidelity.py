@@ -481,8 +481,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-rowwise", action="store_true",
                         help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
     parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
-                        help="kernels of full attention, flat and tree alike (train.attention_kernels; "
-                             "models.ops.dispatch.set_attention_backend)")
+                        help="kernels of full attention, flat and tree alike "
+                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")

@@ -444,8 +444,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-rowwise", action="store_true",
                         help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
     parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
-                        help="kernels of full attention, flat and tree alike (train.attention_kernels; "
-                             "models.ops.dispatch.set_attention_backend)")
+                        help="kernels of full attention, flat and tree alike "
+                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

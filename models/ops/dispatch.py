@@ -48,8 +48,9 @@ def set_attention_backend(name: str) -> None:
 
     Flat execution (`models.attention_core`) and tree execution's branch views (`models.tree.branch_attention`) both
     read it through `varlen_attention.varlen_kernels`, so a tree-vs-flat comparison runs the same kernels on both
-    sides. CPU and float32/float64 tensors always run the reference. The RL job sets it from
-    `train.attention_backend`, the benchmarks from `--attention-backend`."""
+    sides. CPU and float32/float64 tensors always run the reference. The benchmarks set it from
+    `--attention-backend`; the RL job keeps "flash" (cuDNN's backward of the tree's views is refused:
+    `varlen_attention.cudnn.VIEWS_BACKWARD_LIMIT`)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     global _attention_backend

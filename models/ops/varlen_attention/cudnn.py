@@ -11,12 +11,13 @@ On the H200 with torch 2.11 these ragged calls ran about 8x slower than flash on
 Its ragged causal mask is aligned top-left (on the H200 with torch 2.11 and cuDNN 9.19: query i of a sequence sees
 keys j <= i whatever the key length), which equals bottom-right only when every sequence has as many keys as queries
 (flat execution). For views with more keys than queries (the tree's branch views: h = len_k - len_q ancestor rows,
-then the branch's own rows) each sequence is split into its ancestors, which every query sees (one non-causal call),
-and its own rows, a square causal block (one causal call); the two partial results merge by their log-sum-exps,
-out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_1, lse_2), rounded once. Each part's backward takes the
-merged out and lse (softmax probabilities against the whole row, and rowsum(dout * out) of the whole row), so the
-parts' gradients add up to the whole's: dq = dq_1 + dq_2, and dk/dv land on the parts' own rows. The split costs a
-second call per pass and a gather of each view's keys and values. Every sequence needs len_k >= len_q (as the
+then the branch's own rows) the forward splits each sequence into its ancestors, which every query sees (one
+non-causal call), and its own rows, a square causal block (one causal call), and merges the two partial results by
+their log-sum-exps, out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_1, lse_2), rounded once (equal to the
+reference on the H200). The matching backward (each part's backward given the merged out and lse) gave wrong dq/dk/dv
+there in views of hundreds of ancestor rows (ancestors [40, 0, 287] under queries [50, 70, 13]: dv inf; the
+forward of the same calls right; models/ops/README.md), so the backward of such views is refused with that reason
+(`VIEWS_BACKWARD_LIMIT`): "cudnn" trains flat microbatches only. Every sequence needs len_k >= len_q (as the
 reference's rows need a visible key), so total keys == total queries means every sequence is square.
 """
 
@@ -28,7 +29,13 @@ import torch.nn.functional as F
 from models.dtypes import upcast
 from models.ops.varlen_attention.flash import int32_offsets
 
-__all__ = ["cudnn_varlen_backward", "cudnn_varlen_forward", "cudnn_unavailable"]
+__all__ = ["VIEWS_BACKWARD_LIMIT", "cudnn_varlen_backward", "cudnn_varlen_forward", "cudnn_unavailable"]
+
+VIEWS_BACKWARD_LIMIT = (
+    "attention backend 'cudnn': the backward of views with more keys than queries (the tree's branch views) gave "
+    "wrong gradients with torch 2.11's ragged cuDNN backward on the H200 (models/ops/README.md); use "
+    "set_attention_backend('flash') (--attention-backend flash) for tree training"
+)
 
 
 def cudnn_unavailable() -> str | None:
@@ -56,18 +63,10 @@ def _forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: 
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
-    # Without dropout the kernel never reads the philox seed and offset.
-    unused = torch.empty(0, device=q.device)
-    return torch.ops.aten._cudnn_attention_backward(
-        dout, q, k, v, out, lse, unused, unused, None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale
-    )
-
-
 def _split(cu_q: torch.Tensor, cu_k: torch.Tensor, Q: int, S: int):
     """-> (own [Q]: the key row on each query's diagonal; ancestors [S - Q]: the first len_k - len_q key rows of each
-    sequence; their int32 offsets [N+1]; has_ancestors [Q, 1, 1]: the query's sequence has some; seen [S - Q, 1, 1]:
-    the ancestor row's sequence has queries), all on the device without a host sync."""
+    sequence; their int32 offsets [N+1]; has_ancestors [Q, 1, 1]: the query's sequence has some), all on the device
+    without a host sync."""
     cu_q, cu_k = cu_q.long(), cu_k.long()
     n = torch.arange(cu_q.numel() - 1, device=cu_q.device)
     lengths = cu_q.diff()
@@ -77,7 +76,7 @@ def _split(cu_q: torch.Tensor, cu_k: torch.Tensor, Q: int, S: int):
     cu_a = F.pad(h.cumsum(0), (1, 0))
     seq_a = torch.repeat_interleave(n, h, output_size=S - Q)
     ancestors = torch.arange(S - Q, device=cu_q.device) + (cu_k[:-1] - cu_a[:-1])[seq_a]
-    return own, ancestors, cu_a.to(torch.int32), (h > 0)[seq_q][:, None, None], (lengths > 0)[seq_a][:, None, None]
+    return own, ancestors, cu_a.to(torch.int32), (h > 0)[seq_q][:, None, None]
 
 
 def cudnn_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
@@ -88,7 +87,7 @@ def cudnn_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int
     cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
     if S == Q:
         return _forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale, True)
-    own, ancestors, cu_a, has, _ = _split(cu_q, cu_k, Q, S)
+    own, ancestors, cu_a, has = _split(cu_q, cu_k, Q, S)
     out_own, lse_own = _forward(q_QHK, k_SGK[own], v_SGV[own], cu_q, cu_q, max_q, max_q, scale, True)
     out_anc, lse_anc = _forward(q_QHK, k_SGK[ancestors], v_SGV[ancestors], cu_q, cu_a, max_q, max_k, scale, False)
     lse_anc = lse_anc.masked_fill(~has, float("-inf"))
@@ -100,19 +99,12 @@ def cudnn_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int
 
 def cudnn_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q: int, max_k: int,
                           scale: float):
-    """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, V]`)."""
-    Q, S = q_QHK.shape[0], k_SGK.shape[0]
-    cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
-    dout_QHV = dout_QHV.contiguous()
-    if S == Q:
-        return _backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q, max_k, scale, True)
-    own, ancestors, cu_a, has, seen = _split(cu_q, cu_k, Q, S)
-    dq, dk_own, dv_own = _backward(dout_QHV, q_QHK, k_SGK[own], v_SGV[own], out_QHV, lse, cu_q, cu_q, max_q, max_q,
-                                   scale, True)
-    dq_anc, dk_anc, dv_anc = _backward(dout_QHV, q_QHK, k_SGK[ancestors], v_SGV[ancestors], out_QHV, lse, cu_q, cu_a,
-                                       max_q, max_k, scale, False)
-    dk, dv = torch.empty_like(k_SGK), torch.empty_like(v_SGV)
-    dk[own], dv[own] = dk_own, dv_own
-    # Ancestor rows of a sequence without queries get no gradient (the kernel need not write them).
-    dk[ancestors], dv[ancestors] = dk_anc.masked_fill(~seen, 0.0), dv_anc.masked_fill(~seen, 0.0)
-    return dq + dq_anc.masked_fill(~has, 0.0), dk, dv
+    """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, V]`); square sequences only (`VIEWS_BACKWARD_LIMIT`)."""
+    if k_SGK.shape[0] != q_QHK.shape[0]:
+        raise NotImplementedError(VIEWS_BACKWARD_LIMIT)
+    # Without dropout the kernel never reads the philox seed and offset.
+    unused = torch.empty(0, device=q_QHK.device)
+    return torch.ops.aten._cudnn_attention_backward(
+        dout_QHV.contiguous(), q_QHK, k_SGK, v_SGV, out_QHV, lse, unused, unused, None, int32_offsets(cu_q),
+        int32_offsets(cu_k), max_q, max_k, 0.0, True, scale=scale,
+    )
