@@ -36,7 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from models.ops.dispatch import set_fused_rowwise
+from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
@@ -480,6 +480,9 @@ def main(argv=None) -> int:
     add_kernel_cache_option(parser)
     parser.add_argument("--fused-rowwise", action="store_true",
                         help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
+    parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
+                        help="kernels of full attention, flat and tree alike "
+                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
@@ -494,6 +497,7 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         open_kernel_cache(args)
         set_fused_rowwise(args.fused_rowwise)
+        set_attention_backend(args.attention_backend)
     try:
         result = run(args)
     except ValueError as e:

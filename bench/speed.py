@@ -42,7 +42,7 @@ from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
-from models.ops.dispatch import set_fused_rowwise
+from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.presets import preset
 from models.recompute import SelectiveRecompute
 from models.tree.execute import tree_hidden_states
@@ -488,6 +488,9 @@ def main(argv=None) -> int:
     add_kernel_cache_option(parser)
     parser.add_argument("--fused-rowwise", action="store_true",
                         help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
+    parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
+                        help="kernels of full attention, flat and tree alike "
+                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
     for text in args.recompute:
         try:
@@ -500,6 +503,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         open_kernel_cache(args)
         set_fused_rowwise(args.fused_rowwise)
+        set_attention_backend(args.attention_backend)
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
@@ -526,7 +530,7 @@ def main(argv=None) -> int:
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
-        "fused_rowwise": args.fused_rowwise,
+        "fused_rowwise": args.fused_rowwise, "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": costs[0] if len(costs) == 1 else costs,

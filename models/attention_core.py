@@ -11,13 +11,12 @@ the plain-torch reference) and is matched by type to a fast kernel in `attention
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from models.dtypes import upcast
+from models.ops.varlen_attention import varlen_attention
 
 
 @dataclass
@@ -73,35 +72,13 @@ def naive_attention(
     return torch.einsum("hqs,shv->qhv", probs_HQS, v_SHV).to(q_QHK.dtype)
 
 
-def varlen_flash_causal(q_QHK, k_QGK, v_QGV, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
-    """Causal packed self-attention with torch's varlen flash kernel (CUDA, bf16/fp16): the rows
-    `[cu_seqlens[n], cu_seqlens[n+1])` of q, k and v form sequence n. Returns `[Q, H, V]`. (The tree's branch views,
-    with more keys than queries, call the kernels directly: `models.tree.branch_attention`.)"""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    group = q_QHK.shape[1] // k_QGK.shape[1]
-    if group > 1 and "enable_gqa" not in params:
-        k_QGK, v_QGV = k_QGK.repeat_interleave(group, dim=1), v_QGV.repeat_interleave(group, dim=1)
-    # Flash kernels need one head dim for q, k and v: pad v (MLA's value dim is smaller) and cut the output.
-    V = v_QGV.shape[-1]
-    if V < q_QHK.shape[-1]:
-        v_QGV = F.pad(v_QGV, (0, q_QHK.shape[-1] - V))
-    kwargs = {"scale": scale}
-    kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
-    if group > 1 and "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    cu = cu_seqlens.to(torch.int32)
-    out = varlen_attn(q_QHK, k_QGK, v_QGV, cu, cu, max_len, max_len, **kwargs)
-    return out[..., :V]
-
-
 def attention(
     q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tensor, mask, scale: float
 ) -> torch.Tensor:
     """Attention of q `[Q, H, K]` over k `[S, G, K]`, v `[S, G, V]` under `mask`; returns `[Q, H, V]` in q.dtype.
 
-    `VarlenCausalMask` on CUDA in bf16/fp16 runs torch's varlen flash kernel; everything else runs `naive_attention`
+    `VarlenCausalMask` on CUDA in bf16/fp16 runs the packed kernels of `models.ops.varlen_attention` (the backend of
+    `models.ops.dispatch.set_attention_backend`, as the tree's branch views); everything else runs `naive_attention`
     on `mask.dense()`.
     """
     if (
@@ -109,5 +86,6 @@ def attention(
         and q_QHK.is_cuda
         and q_QHK.dtype in (torch.bfloat16, torch.float16)
     ):
-        return varlen_flash_causal(q_QHK, k_SGK, v_SGV, mask.cu_seqlens, mask.max_len, scale)
+        cu = mask.cu_seqlens
+        return varlen_attention(q_QHK, k_SGK, v_SGV, cu, cu, mask.max_len, mask.max_len, scale)
     return naive_attention(q_QHK, k_SGK, v_SGV, mask.dense(), scale)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from models.ops.varlen_attention import varlen_kernels
 
@@ -74,35 +73,30 @@ class _BranchAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
         forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK)
-        K, V = q_CHK.shape[-1], v_CGV.shape[-1]
-        v_CGK = F.pad(v_CGV, (0, K - V)) if V < K else v_CGV  # the kernels share one head dim
-        out_CHK = q_CHK.new_empty(q_CHK.shape)
+        out_CHV = q_CHK.new_empty(*q_CHK.shape[:2], v_CGV.shape[-1])
         lses = []
         for g in groups:
             view = kv_index[g.kv]
-            out_CHK[g.rows], lse = forward_kernel(
-                q_CHK[g.rows], k_CGK[view], v_CGK[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
+            out_CHV[g.rows], lse = forward_kernel(
+                q_CHK[g.rows], k_CGK[view], v_CGV[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
             )
             lses.append(lse)
-        ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHK, *lses)
+        ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHV, *lses)
         ctx.groups, ctx.scale = groups, scale
-        return out_CHK[..., :V].contiguous() if V < K else out_CHK
+        return out_CHV
 
     @staticmethod
     def backward(ctx, dout_CHV):
-        q_CHK, k_CGK, v_CGV, kv_index, out_CHK, *lses = ctx.saved_tensors
-        K, V = q_CHK.shape[-1], v_CGV.shape[-1]
-        v_CGK = F.pad(v_CGV, (0, K - V)) if V < K else v_CGV
-        dout_CHK = F.pad(dout_CHV, (0, K - V)) if V < K else dout_CHV.contiguous()
+        q_CHK, k_CGK, v_CGV, kv_index, out_CHV, *lses = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
             view = kv_index[g.kv]
             dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
-                dout_CHK[g.rows], q_CHK[g.rows], k_CGK[view], v_CGK[view], out_CHK[g.rows], lse,
+                dout_CHV[g.rows], q_CHK[g.rows], k_CGK[view], v_CGV[view], out_CHV[g.rows], lse,
                 g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
             )
             dk.index_put_((view,), dk_view, accumulate=True)
-            dv.index_put_((view,), dv_view[..., :V], accumulate=True)
+            dv.index_put_((view,), dv_view, accumulate=True)
         return dq, dk, dv, None, None, None
 
 

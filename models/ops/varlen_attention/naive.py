@@ -1,7 +1,8 @@
-"""Plain-torch reference of the packed causal attention kernels in `flash.py` (same signatures and layouts).
+"""Plain-torch reference of the packed causal attention kernels in `flash.py` and `cudnn.py` (same signatures and
+layouts).
 
-Legend: Q packed query rows, S packed key rows, N sequences, H query heads, G key/value heads (G divides H), K head
-dim (q, k and v share it, as in the flash kernels). Sequence n's queries `[cu_q[n], cu_q[n+1])` attend to its keys
+Legend: Q packed query rows, S packed key rows, N sequences, H query heads, G key/value heads (G divides H), K query/key
+head dim, V value head dim. Sequence n's queries `[cu_q[n], cu_q[n+1])` attend to its keys
 `[cu_k[n], cu_k[n+1])`, causal aligned bottom-right: with h = len_k - len_q, query i sees keys j <= h + i.
 Computes in float64 for float64 inputs, float32 otherwise, one sequence at a time.
 """
@@ -25,14 +26,14 @@ def _probs_mask(L: int, A: int, device) -> torch.Tensor:
     return torch.arange(A, device=device)[None, :] <= (A - L) + torch.arange(L, device=device)[:, None]
 
 
-def naive_varlen_forward(q_QHK, k_SGK, v_SGK, cu_q, cu_k, max_q: int, max_k: int, scale: float):
-    """-> (out `[Q, H, K]` in q's dtype, lse `[H, Q]` float32/float64: log-sum-exp of each row's scaled scores)."""
+def naive_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+    """-> (out `[Q, H, V]` in q's dtype, lse `[H, Q]` float32/float64: log-sum-exp of each row's scaled scores)."""
     dt = upcast(q_QHK.dtype)
     H, group = q_QHK.shape[1], q_QHK.shape[1] // k_SGK.shape[1]
-    out = torch.empty(q_QHK.shape[0], H, v_SGK.shape[-1], dtype=q_QHK.dtype, device=q_QHK.device)
+    out = torch.empty(q_QHK.shape[0], H, v_SGV.shape[-1], dtype=q_QHK.dtype, device=q_QHK.device)
     lse = torch.empty(H, q_QHK.shape[0], dtype=dt, device=q_QHK.device)
     for qs, ks in _sequences(cu_q, cu_k):
-        q, k, v = q_QHK[qs].to(dt), k_SGK[ks].to(dt), v_SGK[ks].to(dt)
+        q, k, v = q_QHK[qs].to(dt), k_SGK[ks].to(dt), v_SGV[ks].to(dt)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = torch.einsum("qhk,shk->hqs", q, k) * scale
         s = s.masked_fill(~_probs_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
@@ -41,16 +42,16 @@ def naive_varlen_forward(q_QHK, k_SGK, v_SGK, cu_q, cu_k, max_q: int, max_k: int
     return out, lse
 
 
-def naive_varlen_backward(dout_QHK, q_QHK, k_SGK, v_SGK, out_QHK, lse_HQ, cu_q, cu_k, max_q: int, max_k: int,
+def naive_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse_HQ, cu_q, cu_k, max_q: int, max_k: int,
                           scale: float):
-    """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, K]`) in the inputs' dtypes, from the forward's out and lse."""
+    """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, V]`) in the inputs' dtypes, from the forward's out and lse."""
     dt = upcast(q_QHK.dtype)
     H, G = q_QHK.shape[1], k_SGK.shape[1]
-    dq, dk, dv = torch.zeros_like(q_QHK), torch.zeros_like(k_SGK), torch.zeros_like(v_SGK)
+    dq, dk, dv = torch.zeros_like(q_QHK), torch.zeros_like(k_SGK), torch.zeros_like(v_SGV)
     for qs, ks in _sequences(cu_q, cu_k):
-        q, do, o = q_QHK[qs].to(dt), dout_QHK[qs].to(dt), out_QHK[qs].to(dt)
+        q, do, o = q_QHK[qs].to(dt), dout_QHV[qs].to(dt), out_QHV[qs].to(dt)
         k = k_SGK[ks].to(dt).repeat_interleave(H // G, dim=1)
-        v = v_SGK[ks].to(dt).repeat_interleave(H // G, dim=1)
+        v = v_SGV[ks].to(dt).repeat_interleave(H // G, dim=1)
         s = torch.einsum("qhk,shk->hqs", q, k) * scale
         s = s.masked_fill(~_probs_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
         p = torch.exp(s - lse_HQ[:, qs, None].to(dt))

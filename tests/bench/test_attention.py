@@ -1,0 +1,48 @@
+"""bench.attention on CPU: the cases are the step's fullest flat microbatch and heaviest tree microbatch, the flex
+layout of a flat microbatch is its causal mask, unsupported backends print one reason line, and the table runs."""
+
+import pytest
+import torch
+
+from bench import attention
+from bench.speed import first_fit_flat
+from bench.workloads import swe_like_step
+from models.attention_core import VarlenCausalMask
+
+TINY = ["--device", "cpu", "--token-scale", "0.002", "--model", "tiny-kimi-linear", "--repeat", "1"]
+
+
+def test_chain_layout_is_the_flat_causal_mask():
+    cu = torch.tensor([0, 3, 4, 9])
+    assert torch.equal(attention.chain_layout(cu).dense_mask(), VarlenCausalMask(cu).dense())
+
+
+def test_cases_are_the_steps_fullest_flat_and_heaviest_tree_microbatch():
+    flat, tree = attention.step_cases(5, 0.01, 0.002, 65536, "tiny-kimi-linear", torch.device("cpu"))
+    trajs = swe_like_step(5, scale=0.01, token_scale=0.002, vocab_size=1000, max_path_tokens=65536)
+    assert flat.queries == max(sum(len(trajs[i]) for i in g) for g in first_fit_flat(trajs, 65536))
+    assert flat.cu.diff().sum() == flat.queries == flat.key_rows
+    assert tree.queries < tree.key_rows
+    assert tree.flex_layout.kv_index.numel() == tree.key_rows
+
+
+def test_model_shapes_are_the_presets_full_attention():
+    assert attention.model_shapes("ling-3-tiny") == attention.Shapes(16, 16, 192, 128)
+    assert attention.model_shapes("tiny-qwen3-next") == attention.Shapes(4, 2, 64, 64)
+
+
+def test_cpu_table_with_reasons(capsys):
+    assert attention.main([*TINY, "--backends", "reference,flash,cudnn"]) == 0
+    out = capsys.readouterr().out
+    for case in ("flat", "tree"):
+        assert f"{case} flash: cannot run: needs CUDA" in out
+        assert f"{case} cudnn: cannot run: needs CUDA" in out
+        row = next(line for line in out.splitlines() if line.startswith(f"{case}  reference"))
+        assert "0.0e+00" in row
+    assert "command: python -m bench.attention" in out
+
+
+def test_unknown_backend_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        attention.main(["--backends", "flash,fa3"])
+    assert "fa3" in capsys.readouterr().err
