@@ -67,8 +67,9 @@ class ParallelConfig:
     op outputs kept), in between on both counts."""
     selective: SelectiveRecompute = field(default_factory=SelectiveRecompute)
     """With activation_checkpointing = "selective" (TOML `[parallel.selective]`): `layers` (layer kinds that
-    recompute), `part` ("layer", "mixer", "ffn"), `every` (N), `save` (op groups kept: "attention", "experts", "mm");
-    see `models.recompute.SelectiveRecompute` for each option's memory/compute trade."""
+    recompute), `part` ("layer", "mixer", "ffn"), `every` (N-th layer of those kinds), `save` (op groups kept:
+    "attention" by default, "experts", "mm"); see `models.recompute.SelectiveRecompute` for each option's
+    memory/compute trade. Refused with ep > 1 or pp > 1 (untested there)."""
     compile: bool = False
     """torch.compile the row-wise modules that hold no collectives (RMSNorms, SwiGLU MLPs outside tensor
     parallelism) with dynamic shapes. Whole layers are not compiled: their control flow follows each microbatch's
