@@ -133,6 +133,10 @@ def _kernel_cache(config: JobConfig) -> KernelCache | None:
 
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
     """The trainer of this process: distributed when started by torchrun with several ranks."""
+    try:
+        config.parallel.check_recompute(model.config)
+    except ValueError as e:
+        raise ConfigError(f"[parallel.selective]: {e}") from None
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         from app.distributed_trainer import DistributedTrainer
         from parallel.launch import init_distributed

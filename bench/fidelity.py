@@ -36,6 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
+from bench.speed import recompute_option
 from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
@@ -44,6 +45,7 @@ from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
 from models.presets import preset
+from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
 from parallel.replica import prepare_carry_replica
@@ -327,7 +329,7 @@ def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, target
 def run(args) -> dict:
     device = torch.device(args.device)
     model = build_model(args)
-    model.set_activation_checkpointing(args.recompute)
+    model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     chunk = model.config.chunk_size
     if args.trajectories:
         trajectories = read_jsonl(args.trajectories)
@@ -462,8 +464,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float64", choices=RUN_DTYPES)
     parser.add_argument("--chunk-size", type=int, default=None, help="linear-attention chunk size (preset default)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="full-layer activation recomputation in every run (same forward numerics; large inputs)")
+    parser.add_argument("--recompute", nargs="?", type=recompute_option, const="full", default="none",
+                        metavar="OPTION",
+                        help="activation recomputation in every run (same forward numerics): none (default), full "
+                             "(also a bare --recompute) or selective[:key=value,...] as in bench.speed")
     parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
     parser.add_argument("--oracle", action="store_true",
                         help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")

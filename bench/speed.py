@@ -44,7 +44,7 @@ from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.presets import preset
-from models.recompute import SelectiveRecompute
+from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
 from parallel.replica import prepare_carry_replica
@@ -420,32 +420,14 @@ def print_recompute_summary(rows: list[dict]) -> None:
         print(" ".join(f"{v:>13}" for v in [r["workload"], *cells]) + " " + r["recompute"])
 
 
-def parse_recompute(text: str) -> bool | SelectiveRecompute:
-    """A `--recompute` option: "none", "full", or "selective[:key=value,...]" with the fields of
-    `models.recompute.SelectiveRecompute` (lists joined by "+"), e.g. "selective:part=ffn,save=experts+attention",
-    "selective:layers=linear_attention,save=", "selective:every=2" -> what `set_activation_checkpointing` takes."""
-    if text in ("none", "full"):
-        return text == "full"
-    kind, _, spec = text.partition(":")
-    if kind != "selective":
-        raise argparse.ArgumentTypeError(f"got {text!r}: give none, full or selective[:key=value,...]")
-    fields = {f.name for f in dataclasses.fields(SelectiveRecompute)}
-    kwargs = {}
-    for item in filter(None, spec.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in fields:
-            raise argparse.ArgumentTypeError(f"got {item!r} in {text!r}: write key=value with a key among "
-                                             f"{', '.join(sorted(fields))}")
-        if key == "every":
-            if not value.isdigit():
-                raise argparse.ArgumentTypeError(f"got every={value!r} in {text!r}: give a positive integer")
-            kwargs[key] = int(value)
-        else:
-            kwargs[key] = value if key == "part" else tuple(filter(None, value.split("+")))
+def recompute_option(text: str) -> str:
+    """The argparse type of `--recompute` (bench.speed, bench.fidelity, bench.step_profile): `text`, once
+    `models.recompute.parse_recompute_option` accepts it."""
     try:
-        return SelectiveRecompute(**kwargs)
+        parse_recompute_option(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -480,7 +462,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; each microbatch counts its fastest")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recompute", nargs="+", default=["full"], metavar="OPTION",
+    parser.add_argument("--recompute", nargs="+", type=recompute_option, default=["full"], metavar="OPTION",
                         help="activation recomputation, one run per option: none, full (default), or "
                              "selective[:key=value,...] with the keys of [parallel.selective] (layers, part, every, "
                              "save; lists joined by +), e.g. selective:part=ffn,save=experts")
@@ -492,11 +474,6 @@ def main(argv=None) -> int:
                         help="kernels of full attention, flat and tree alike "
                              "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
-    for text in args.recompute:
-        try:
-            parse_recompute(text)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"argument --recompute: {e}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
@@ -516,7 +493,7 @@ def main(argv=None) -> int:
     rows, costs = [], []
     for index, text in enumerate(args.recompute):
         print(f"recompute {text}", file=sys.stderr, flush=True)
-        model.set_activation_checkpointing(parse_recompute(text))
+        model.set_activation_checkpointing(parse_recompute_option(text))
         measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
         cost = None
         if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
@@ -533,7 +510,7 @@ def main(argv=None) -> int:
         "fused_rowwise": args.fused_rowwise, "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
-        "cost_model": costs[0] if len(costs) == 1 else costs,
+        "cost_model": costs,
         "command": "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     for index, (text, cost) in enumerate(zip(args.recompute, costs)):

@@ -2,7 +2,8 @@
 kernels that take the most time (issue 7, item 5).
 
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
-                                 [--attention branch] [--modes flat,tree,duplicate,carry] [--json F]
+                                 [--attention branch] [--modes flat,tree,duplicate,carry]
+                                 [--recompute none|full|selective[:key=value,...]] [--json F]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
@@ -12,8 +13,9 @@ pair for flash attention (the tree's pairs shrink less than its rows); the exces
 
 `--modes` picks what runs (default flat,tree): also "duplicate", the whole step in duplicate mode (every microbatch
 of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench.speed.carry_step`, every unique row
-once), each against the same ideal when flat runs too; "timed run - kernels" is the time the GPU waits for the host
-(preparation, launches, synchronisations).
+once), each against the same ideal when flat runs too. "timed run - kernels" is the second unprofiled run's wall time
+minus the profiled run's kernel time: the time the GPU waits for the host (preparation, launches,
+synchronisations). `--recompute` picks the activation recomputation of every mode (default full, as bench.speed).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import torch
 
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.speed import carry_step, first_fit_flat, flat_pairs, flat_step, sync, tree_pairs, tree_step
+from bench.speed import (
+    carry_step, first_fit_flat, flat_pairs, flat_step, recompute_option, sync, tree_pairs, tree_step,
+)
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
+from models.recompute import parse_recompute_option
 from parallel.carry_runner import CarryRunner
 from planner.carry import plan_carry
 from planner.microbatch import plan_microbatches
@@ -64,11 +69,11 @@ def sync_sites(fn) -> collections.Counter:
     return sites
 
 
-def overhead_line(flat: KernelWork, tree: KernelWork) -> str:
-    """The tree microbatch's kernel time against its ideal (`bench.ceiling.ideal`): the excess is tree overhead, the
-    rest is the work the tree really has (attention pairs shrink less than rows)."""
+def overhead_line(flat: KernelWork, tree: KernelWork, name: str) -> str:
+    """Mode `name`'s (tree, duplicate or carry) kernel time against its ideal (`bench.ceiling.ideal`): the excess is
+    tree overhead, the rest is the work the tree really has (attention pairs shrink less than rows)."""
     best = ideal(flat, tree)
-    return (f"tree kernels {tree.kernel_s:.3f} s; at flat's cost per row (non-attention) and per query-key pair "
+    return (f"{name} kernels {tree.kernel_s:.3f} s; at flat's cost per row (non-attention) and per query-key pair "
             f"(flash) {best.seconds:.3f} s: overhead {tree.kernel_s - best.seconds:+.3f} s (flash "
             f"{tree.flash_s - best.flash_s:+.3f} s, everything else "
             f"{(tree.kernel_s - tree.flash_s) - (best.seconds - best.flash_s):+.3f} s)")
@@ -85,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="flat,tree",
                         help="comma-separated: flat (heaviest flat microbatch), tree (first duplicate microbatch), "
                              "duplicate (the whole duplicate step), carry (the whole carry step)")
+    parser.add_argument("--recompute", type=recompute_option, default="full", metavar="OPTION",
+                        help="activation recomputation of every mode: none, full (default) or "
+                             "selective[:key=value,...] as in bench.speed")
     parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
     add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
     config = dataclasses.replace(preset(args.model), dtype="bfloat16")
     with torch.device(dev):
         model = HybridForCausalLM(config)
-    model.set_activation_checkpointing(True)
+    model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     trajs = swe_like_step(args.seed, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
     flat = max(first_fit_flat(trajs, args.capacity), key=lambda g: sum(len(trajs[i]) for i in g))
     flat_trajs = [trajs[i] for i in flat]
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
     for name in measured:
         if name != "flat" and "flat" in measured:
-            print(f"{name}: {overhead_line(measured['flat'], measured[name])}")
+            print(overhead_line(measured["flat"], measured[name], name))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dump, f)

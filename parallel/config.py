@@ -67,8 +67,9 @@ class ParallelConfig:
     op outputs kept), in between on both counts."""
     selective: SelectiveRecompute = field(default_factory=SelectiveRecompute)
     """With activation_checkpointing = "selective" (TOML `[parallel.selective]`): `layers` (layer kinds that
-    recompute), `part` ("layer", "mixer", "ffn"), `every` (N), `save` (op groups kept: "attention", "experts", "mm");
-    see `models.recompute.SelectiveRecompute` for each option's memory/compute trade."""
+    recompute), `part` ("layer", "mixer", "ffn"), `every` (N-th layer of those kinds), `save` (op groups kept:
+    "attention" by default, "experts", "mm"); see `models.recompute.SelectiveRecompute` for each option's
+    memory/compute trade. Refused with ep > 1 or pp > 1 (untested there)."""
     compile: bool = False
     """torch.compile the row-wise modules that hold no collectives (RMSNorms, SwiGLU MLPs outside tensor
     parallelism) with dynamic shapes. Whole layers are not compiled: their control flow follows each microbatch's
@@ -99,6 +100,13 @@ class ParallelConfig:
                 f"{self.activation_checkpointing!r}, which ignores it: set activation_checkpointing = 'selective' or "
                 "remove the [parallel.selective] settings"
             )
+        if self.activation_checkpointing == "selective" and (self.ep > 1 or self.pp > 1):
+            raise ValueError(
+                f"`parallel.activation_checkpointing` = 'selective' with `parallel.ep` = {self.ep} / `parallel.pp` = "
+                f"{self.pp}: untested (expert-parallel experts are their own FSDP2 unit inside the recomputed part, "
+                "and torch's selective checkpoint refuses a recomputation that calls a saved op more often than the "
+                "forward); use activation_checkpointing = 'full' with ep > 1 or pp > 1"
+            )
         if self.pp_schedule not in _PP_SCHEDULES:
             raise ValueError(f"`parallel.pp_schedule` must be one of {_PP_SCHEDULES}, got {self.pp_schedule!r}")
 
@@ -119,6 +127,12 @@ class ParallelConfig:
             return self.selective
         return self.activation_checkpointing == "full"
 
+    def check_recompute(self, model: ModelConfig) -> None:
+        """Raises ValueError when `selective` chooses no layer of `model` (`every` beyond its count of the kinds in
+        `layers`)."""
+        if self.activation_checkpointing == "selective":
+            self.selective.per_layer(model)
+
     @property
     def dp(self) -> int:
         """D: data-parallel replicas, i.e. ranks that hold different microbatches (after `resolved`)."""
@@ -129,6 +143,7 @@ class ParallelConfig:
         `pipelined`: the caller splits the model into pipeline stages (`parallel.pipeline.pipeline_hybrid`)."""
         if self.dp_shard < 1:
             raise ValueError("call `ParallelConfig.resolved(world_size)` before `validate`: dp_shard is still -1")
+        self.check_recompute(model)
         if self.pp > 1:
             self._validate_pipeline(model, pipelined)
         if self.ep > 1:

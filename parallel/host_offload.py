@@ -8,6 +8,10 @@ SWE-like steps a replica can have up to 10 microbatches open at once (bench/RESU
 the activations of at most `resident` open microbatches on the device and moves the others' to pinned host memory
 under `host_offload()`, copying them back when autograd unpacks them in the backward.
 
+Selective recomputation's saved op outputs are kept by torch's checkpoint storage, which these hooks never see: under
+`host_offload()` a recomputed part saves none (`models.recompute.without_saved_ops`) and recomputes whole from its
+inputs, which the hooks park, so the bound holds for every recompute option (the gradients are the same).
+
 Parameters and views of them stay on the device (`stays`), so FSDP2's unsharded parameters are neither copied nor
 detached from their resharding; so do integer tensors. What a microbatch exports to later ones, and the gradients
 its consumers send back, stay on the device too (`models.tree.carry.CarryExchange`).
@@ -15,9 +19,12 @@ its consumers send back, stay on the device too (`models.tree.carry.CarryExchang
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
+
+from models.recompute import without_saved_ops
 
 __all__ = ["host_offload", "offloaded_forwards", "stays"]
 
@@ -45,11 +52,14 @@ def _unpack(packed) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def host_offload() -> torch.autograd.graph.saved_tensors_hooks:
+@contextlib.contextmanager
+def host_offload() -> Iterator[None]:
     """Context manager: tensors autograd saves inside it (device tensors other than parameters) wait in pinned host
     memory until the backward unpacks them. The copies run on the current stream, so they are ordered with the
-    kernels that produce and later read them; CPU tensors are kept as they are."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    kernels that produce and later read them; CPU tensors are kept as they are. Recomputed layer parts keep no op
+    outputs inside it (they would bypass the hooks): they recompute whole."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack), without_saved_ops():
+        yield
 
 
 def offloaded_forwards(events: Sequence[tuple[str, int]], resident: int) -> frozenset[int]:

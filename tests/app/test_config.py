@@ -110,6 +110,10 @@ def test_to_toml_shows_unset_values_as_none(tmp_path):
         (["--planner.chunk_size=32"], r"`planner.chunk_size` = 32 differs from the model's linear-attention chunk"),
         (["--data.tasks=nowhere/*.jsonl"], r"`data.tasks`: '.*/nowhere/\*.jsonl' matches no file"),
         (["--data.epochs=0"], r"`data.epochs` must be >= 1 or unset, got 0"),
+        (["--parallel.activation_checkpointing=selective", "--parallel.selective.every=99"],
+         r"\[parallel.selective\]: `every` = 99 selects no layer: the model has \d+ layer\(s\)"),
+        (["--parallel.activation_checkpointing=selective", "--parallel.ep=2"],
+         r"\[parallel\] `parallel.activation_checkpointing` = 'selective' with `parallel.ep` = 2"),
         (["--rollout.env=answer"], r"`rollout.env` = 'answer' speaks chat messages, but the tokenizer .* has no chat "
                                    r"template; chat environments need one \(model.hf_path"),
     ],

@@ -51,7 +51,7 @@ def test_user_trajectories_and_recompute(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     write_jsonl(nested_fork_trajectories(np.random.default_rng(1), 32, 1024, depth=3, tail=20, trees=2), path)
     r = run(capsys, "--model", "tiny-kimi-linear", "--trajectories", str(path), "--chunk-size", "32", "--recompute")
-    assert r["recompute"] and r["trajectories"] == str(path)
+    assert r["recompute"] == "full" and r["trajectories"] == str(path)
     assert r["logprob_max_abs_diff"] <= 1e-10 and r["grad_max_rel_diff"] <= 1e-10
 
 

@@ -1,6 +1,7 @@
-"""Selective activation recomputation (`models.recompute`): the layers and parts it chooses, that an op policy
-really keeps op outputs (fewer ops run again in backward), exact gradients for every option on the flat forward,
-and an ablation: a policy that caches a tensor a kernel then overwrites gives wrong gradients unnoticed by torch.
+"""Selective activation recomputation (`models.recompute`): the layers and parts it chooses, that the save groups
+name real ops and the policy matches them, that an op policy really keeps op outputs (fewer ops run again in
+backward; none kept inside `without_saved_ops`), exact gradients for every option on the flat forward, that no
+saved op output is written in place after it was made, and the command-line option syntax.
 
 Tree and carry execution under these options: `tests/models/tree/test_execute.py`,
 `tests/parallel/test_carry_runner.py` (both import `OPTIONS`).
@@ -8,13 +9,19 @@ Tree and carry execution under these options: `tests/models/tree/test_execute.py
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 import models
-from models.recompute import LayerRecompute, SelectiveRecompute
+from models import recompute
+from models.recompute import (
+    SAVE_GROUPS, LayerRecompute, SelectiveRecompute, parse_recompute_option, save_ops, without_saved_ops,
+)
 from tests.models.test_decoder import build, cu, ids_for
 
 #: Recompute options every exactness test runs besides False and True (full): one per part, kind filter and
@@ -30,7 +37,7 @@ OPTIONS = {
 
 def test_per_layer_choice():
     config = models.preset("tiny-kimi-linear")  # linear, linear, linear, full
-    op = LayerRecompute("layer", ("attention", "experts"))
+    op = LayerRecompute("layer", ("attention",))
     assert SelectiveRecompute().per_layer(config) == [op] * 4
     assert SelectiveRecompute(layers=("full_attention",), part="ffn", save=()).per_layer(config) == [
         None, None, None, LayerRecompute("ffn")]
@@ -38,9 +45,28 @@ def test_per_layer_choice():
     assert SelectiveRecompute(layers=("linear_attention",), every=3).per_layer(config) == [None, None, op, None]
 
 
+def test_every_counts_the_chosen_kinds():
+    """`every` = N picks the N-th, 2N-th, ... layer of the kinds in `layers` (ling-3-tiny: 3 linear-attention
+    layers, then one full-attention layer, six times); a choice of no layer is an error."""
+    config = models.preset("ling-3-tiny")
+    chosen = lambda **kw: [i for i, c in enumerate(SelectiveRecompute(**kw).per_layer(config)) if c]  # noqa: E731
+    linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert len(linear) == 18 and full == [3, 7, 11, 15, 19, 23]
+    assert chosen(layers=("linear_attention",), every=4) == [linear[3], linear[7], linear[11], linear[15]]
+    assert chosen(layers=("full_attention",), every=2) == [7, 15, 23]
+    assert chosen(every=6) == [5, 11, 17, 23]
+    with pytest.raises(ValueError, match=r"`every` = 7 selects no layer: the model has 6 layer\(s\) of the kinds "
+                                         r"in `layers` \['full_attention'\]"):
+        SelectiveRecompute(layers=("full_attention",), every=7).per_layer(config)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"layers": ("moe",)}, "`layers`"), ({"layers": ()}, "`layers` is empty"), ({"part": "block"}, "`part`"),
-    ({"every": 0}, "`every`"), ({"save": ("flash",)}, "`save`"),
+    ({"every": 0}, "`every`"), ({"every": True}, "`every` must be an integer"), ({"every": 2.0}, "`every`"),
+    ({"save": ("flash",)}, "`save`"),
+    ({"layers": "full_attention"}, r"`layers` must be a list, got the string 'full_attention': write \['full"),
+    ({"save": "attention"}, "`save` must be a list"),
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -59,9 +85,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_mm_calls(model, recompute) -> int:
+def backward_mm_calls(model, recompute, forward_context=contextlib.nullcontext) -> int:
     model.set_activation_checkpointing(recompute)
-    out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+    with forward_context():
+        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
     counter = OpCounter()
     with counter:
         out.logits.square().mean().backward()
@@ -76,6 +103,37 @@ def test_op_policy_keeps_the_saved_outputs():
     saved = backward_mm_calls(model, SelectiveRecompute(save=("mm",)))
     ffn = backward_mm_calls(model, SelectiveRecompute(part="ffn", save=()))
     assert saved == none < ffn < full
+    assert backward_mm_calls(model, SelectiveRecompute(save=("mm",)), without_saved_ops) == full
+
+
+def test_save_groups_name_ops_of_this_torch():
+    """Every name in SAVE_GROUPS is an op of this torch (an ATen op overload or the flex-attention higher-order op),
+    registered without importing anything but torch, so a misspelt or removed op cannot hide in a group."""
+    for group, names in SAVE_GROUPS.items():
+        for name in names:
+            if name == "flex_attention":
+                op = torch._higher_order_ops.flex_attention
+            else:
+                op = functools.reduce(getattr, name.split("."), torch.ops)
+            assert str(op) == name, (group, name, str(op))
+
+
+@pytest.mark.parametrize("group, op", [
+    ("attention", torch.ops.aten._flash_attention_forward.default),
+    ("attention", torch.ops.aten._cudnn_attention_forward.default),
+    ("attention", torch._higher_order_ops.flex_attention),
+    ("experts", torch.ops.aten._grouped_mm.default),
+    ("mm", torch.ops.aten.addmm.default),
+])
+def test_policy_saves_the_ops_of_its_groups(group, op):
+    """The policy of `save` = (group,) keeps `op` (the kernels flat and tree execution call on CUDA: matched by name,
+    as the checkpoint hands them to the policy) and recomputes the ops of the other groups and the rest."""
+    policy = recompute._policy((group,))
+    assert policy(None, op) == CheckpointPolicy.MUST_SAVE
+    others = [n for g, names in SAVE_GROUPS.items() if g != group for n in names if n != "flex_attention"]
+    for name in others + ["aten.empty.memory_format", "aten.add.Tensor"]:
+        assert policy(None, functools.reduce(getattr, name.split("."), torch.ops)) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert save_ops(("attention", "mm")) == SAVE_GROUPS["attention"] | SAVE_GROUPS["mm"]
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
@@ -101,30 +159,52 @@ def test_selective_gives_the_same_gradients(name, option):
     assert max(errors.values()) <= 1e-10, max(errors.items(), key=lambda kv: kv[1])
 
 
-def test_caching_a_tensor_a_kernel_overwrites_is_wrong():
-    """Ablation: a matmul output that a kernel then scales in place (a Triton kernel's write does not bump the
-    version counter, simulated through `.data`) must not be saved: the recomputation takes the cached, already
-    scaled tensor and scales it again, and the gradient is wrong without an error. No SAVE_GROUPS op feeds such a
-    kernel (the fused row-wise kernels and fla's write only into tensors they allocate)."""
-    torch.manual_seed(0)
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(4, 3, dtype=torch.float64)
+class SavedOutputWatch(TorchDispatchMode):
+    """Records the floating outputs of the ops of `names` with their version counters when made."""
 
-    def block(x):
-        y = x @ w
-        y.data.mul_(2.0)  # an in-place kernel write
-        return y.sin()
+    def __init__(self, names: frozenset[str]):
+        super().__init__()
+        self.names, self.made = names, []
 
-    def saving_mm(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if func == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in self.names:
+            self.made += [(str(func), t, t._version) for t in (out if isinstance(out, tuple) else (out,))
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return out
 
-    def grad(**kwargs):
-        x.grad = None
-        out = checkpoint(block, x, use_reentrant=False, **kwargs) if kwargs else block(x)
-        out.sum().backward()
-        return x.grad.clone()
 
-    expected = grad()
-    assert torch.allclose(grad(context_fn=lambda: create_selective_checkpoint_contexts([])), expected)
-    wrong = grad(context_fn=lambda: create_selective_checkpoint_contexts(saving_mm))
-    assert (wrong - expected).abs().max() > 1e-3
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_saved_op_outputs_are_not_written_after_they_are_made(name):
+    """A saved op output that a later op (or kernel) of our layers wrote into in place would be handed back
+    overwritten by the recomputation: after a forward and backward saving every group, each output of a saved op
+    still has the version it was made with (CPU reference paths: the "mm" and "experts" groups' ops)."""
+    model = build(name)
+    model.set_activation_checkpointing(SelectiveRecompute(save=tuple(SAVE_GROUPS)))
+    watch = SavedOutputWatch(save_ops(tuple(SAVE_GROUPS)))
+    with watch:
+        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+        out.logits.square().mean().backward()
+    assert len(watch.made) > 10
+    changed = [(op, tuple(t.shape)) for op, t, version in watch.made if t._version != version]
+    assert not changed, changed
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("none", False), ("full", True), ("selective", SelectiveRecompute()),
+    ("selective:part=ffn,save=experts+attention", SelectiveRecompute(part="ffn", save=("experts", "attention"))),
+    ("selective:layers=linear_attention,every=2,save=",
+     SelectiveRecompute(layers=("linear_attention",), every=2, save=())),
+])
+def test_parse_recompute_option(text, expected):
+    assert parse_recompute_option(text) == expected
+
+
+@pytest.mark.parametrize("text, match", [
+    ("some", "give none, full or selective"), ("selective:parts=ffn", "key among"),
+    ("selective:every=x", "positive integer"), ("selective:save=flash", "`save` entries"),
+    ("selective:every=2,part=ffn,every=3", "got 'every' twice"),
+])
+def test_bad_recompute_option(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_recompute_option(text)

@@ -68,3 +68,18 @@ def test_activation_checkpointing_choices():
         ParallelConfig(activation_checkpointing="op")
     with pytest.raises(ValueError, match="`parallel.selective` is set but"):
         ParallelConfig(activation_checkpointing="full", selective=chosen)
+
+
+@pytest.mark.parametrize("degrees", [{"ep": 2}, {"pp": 2}])
+def test_selective_is_refused_with_expert_or_pipeline_parallelism(degrees):
+    with pytest.raises(ValueError, match="'selective' with `parallel.ep`.*use activation_checkpointing = 'full'"):
+        ParallelConfig(activation_checkpointing="selective", **degrees)
+    ParallelConfig(activation_checkpointing="full", **degrees)
+
+
+def test_selective_choosing_no_layer_is_refused_by_validate():
+    config = ParallelConfig(activation_checkpointing="selective", selective=SelectiveRecompute(every=5))
+    with pytest.raises(ValueError, match="`every` = 5 selects no layer: the model has 4 layer"):
+        config.resolved(1).validate(preset("tiny-kimi-linear"))
+    ParallelConfig(activation_checkpointing="selective", selective=SelectiveRecompute(every=4)).resolved(1).validate(
+        preset("tiny-kimi-linear"))

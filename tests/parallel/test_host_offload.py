@@ -1,5 +1,6 @@
 """Held carry microbatches park their saved activations in host memory (`parallel.host_offload`): which forwards
-do, and that a step with every held microbatch parked still equals trajectory-wise training (float64)."""
+do, that selective recomputation keeps no op output past the hooks there, and that a step with every held
+microbatch parked still equals trajectory-wise training (float64)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from parallel.carry_runner import CarryRunner
 from parallel.host_offload import offloaded_forwards, stays
 from tests.models.tree.test_carry_layout import step_trees
 from tests.models.tree.test_execute import make_model
-from tests.models.test_recompute import OPTIONS
+from models.recompute import SelectiveRecompute
+from tests.models.test_decoder import build
+from tests.models.test_recompute import OPTIONS, backward_mm_calls
 from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
 
 F, B = "forward", "backward"
@@ -85,6 +88,16 @@ def test_offloaded_activations_are_the_ones_the_backward_reads(monkeypatch):
     CarryRunner(model, resident=0).train_step(step, microbatch_loss)
     flat_reference(reference, trees, step)[1].backward()
     assert max(relative_errors(reference, model).values()) > 1e-4
+
+
+def test_selective_keeps_no_op_output_past_the_hooks():
+    """Op outputs a selective policy saves live in torch's checkpoint storage, where the hooks cannot park them: a
+    forward under host_offload() saves none (its backward runs every forward matmul again, as full recomputation
+    does, so all it holds went through the hooks); the same option outside it keeps them."""
+    model = build("tiny-kimi-linear")
+    option, full = SelectiveRecompute(save=("mm",)), backward_mm_calls(model, True)
+    assert backward_mm_calls(model, option) < full
+    assert backward_mm_calls(model, option, host_offload.host_offload) == full
 
 
 def test_resident_must_not_be_negative():
