@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from models.ops.varlen_attention import varlen_kernels
+from models.ops.varlen_attention import pads_values, varlen_kernels
 
 __all__ = ["BranchGroup", "branch_attention", "branch_groups"]
 
@@ -69,34 +70,45 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
     return groups
 
 
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x `[..., w]` zero-padded to `[..., width]` (x itself when w == width)."""
+    return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+
+
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
         forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK)
-        out_CHV = q_CHK.new_empty(*q_CHK.shape[:2], v_CGV.shape[-1])
+        # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
+        # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
+        V = v_CGV.shape[-1]
+        v_CGW = _padded(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK) else v_CGV
+        out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
             view = kv_index[g.kv]
-            out_CHV[g.rows], lse = forward_kernel(
-                q_CHK[g.rows], k_CGK[view], v_CGV[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
+            out_CHW[g.rows], lse = forward_kernel(
+                q_CHK[g.rows], k_CGK[view], v_CGW[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
             )
             lses.append(lse)
-        ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHV, *lses)
+        ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHW, *lses)
         ctx.groups, ctx.scale = groups, scale
-        return out_CHV
+        return out_CHW[..., :V].contiguous() if out_CHW.shape[-1] > V else out_CHW
 
     @staticmethod
     def backward(ctx, dout_CHV):
-        q_CHK, k_CGK, v_CGV, kv_index, out_CHV, *lses = ctx.saved_tensors
+        q_CHK, k_CGK, v_CGV, kv_index, out_CHW, *lses = ctx.saved_tensors
+        V, W = v_CGV.shape[-1], out_CHW.shape[-1]
+        v_CGW, dout_CHW = _padded(v_CGV, W), _padded(dout_CHV, W).contiguous()
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
             view = kv_index[g.kv]
             dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
-                dout_CHV[g.rows], q_CHK[g.rows], k_CGK[view], v_CGV[view], out_CHV[g.rows], lse,
+                dout_CHW[g.rows], q_CHK[g.rows], k_CGK[view], v_CGW[view], out_CHW[g.rows], lse,
                 g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
             )
             dk.index_put_((view,), dk_view, accumulate=True)
-            dv.index_put_((view,), dv_view, accumulate=True)
+            dv.index_put_((view,), dv_view[..., :V], accumulate=True)
         return dq, dk, dv, None, None, None
 
 

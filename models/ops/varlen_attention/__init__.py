@@ -6,8 +6,8 @@ reference (`naive.py`) otherwise. `varlen_kernels(x)` picks the pair."""
 from models.ops.varlen_attention.cudnn import cudnn_varlen_backward, cudnn_varlen_forward
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.function import varlen_attention
-from models.ops.varlen_attention.kernels import varlen_kernels
+from models.ops.varlen_attention.kernels import pads_values, varlen_kernels
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
 
 __all__ = ["cudnn_varlen_backward", "cudnn_varlen_forward", "flash_varlen_backward", "flash_varlen_forward",
-           "naive_varlen_backward", "naive_varlen_forward", "varlen_attention", "varlen_kernels"]
+           "naive_varlen_backward", "naive_varlen_forward", "pads_values", "varlen_attention", "varlen_kernels"]

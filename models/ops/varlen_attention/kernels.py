@@ -19,3 +19,10 @@ def varlen_kernels(x: torch.Tensor):
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         return _FAST[attention_backend()]
     return naive_varlen_forward, naive_varlen_backward
+
+
+def pads_values(x: torch.Tensor) -> bool:
+    """Whether the kernel pair for tensors like `x` runs values at the query/key head dim (flash: a smaller V is
+    zero-padded to K inside each call). A caller that gathers the values of many views from one tensor pads that
+    tensor once instead (`models.tree.branch_attention`): padding each gathered view costs a copy of every view row."""
+    return varlen_kernels(x)[0] is flash_varlen_forward
