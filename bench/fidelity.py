@@ -488,6 +488,10 @@ def main(argv=None) -> int:
                         help="kernels of full attention, flat and tree alike "
                              "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
+    if args.attention_backend == "cudnn" and args.attention == "branch":
+        parser.error("--attention-backend cudnn trains flat microbatches only (its backward of branch views is "
+                     "refused: models/ops/varlen_attention/cudnn.py); use --attention-backend flash, or another "
+                     "--attention layout")
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
     if args.mode == "tree" and args.capacity is not None:

@@ -474,6 +474,10 @@ def main(argv=None) -> int:
                         help="kernels of full attention, flat and tree alike "
                              "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
     args = parser.parse_args(argv)
+    if args.attention_backend == "cudnn" and args.attention == "branch" and {"duplicate", "carry"} & set(args.modes):
+        parser.error("--attention-backend cudnn trains flat microbatches only (its backward of branch views is "
+                     "refused: models/ops/varlen_attention/cudnn.py); use --attention-backend flash, or another "
+                     "--attention layout")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")

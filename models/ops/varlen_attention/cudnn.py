@@ -13,8 +13,8 @@ keys j <= i whatever the key length), which equals bottom-right only when every 
 (flat execution). For views with more keys than queries (the tree's branch views: h = len_k - len_q ancestor rows,
 then the branch's own rows) the forward splits each sequence into its ancestors, which every query sees (one
 non-causal call), and its own rows, a square causal block (one causal call), and merges the two partial results by
-their log-sum-exps, out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_1, lse_2), rounded once (equal to the
-reference on the H200). The matching backward (each part's backward given the merged out and lse) gave wrong dq/dk/dv
+their log-sum-exps, out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_1, lse_2), summed in float32 from
+the two bf16 partial outputs (so rounded twice; equal to the reference within bf16 on the H200). The matching backward (each part's backward given the merged out and lse) gave wrong dq/dk/dv
 there in views of hundreds of ancestor rows (ancestors [40, 0, 287] under queries [50, 70, 13]: dv inf; the
 forward of the same calls right; models/ops/README.md), so the backward of such views is refused with that reason
 (`VIEWS_BACKWARD_LIMIT`): "cudnn" trains flat microbatches only. Every sequence needs len_k >= len_q (as the
@@ -57,6 +57,10 @@ def _check() -> None:
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    # The ragged graph addresses rows by each tensor's own strides, but torch allocates dv (and the output) packed:
+    # a strided view (MLA's v is a split of one projection) must be packed first, or the backward writes dv with the
+    # wrong layout without an error.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse, *_ = torch.ops.aten._cudnn_attention_forward(
         q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale
     )
@@ -104,6 +108,7 @@ def cudnn_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_
         raise NotImplementedError(VIEWS_BACKWARD_LIMIT)
     # Without dropout the kernel never reads the philox seed and offset.
     unused = torch.empty(0, device=q_QHK.device)
+    q_QHK, k_SGK, v_SGV, out_QHV = (x.contiguous() for x in (q_QHK, k_SGK, v_SGV, out_QHV))  # as in `_forward`
     return torch.ops.aten._cudnn_attention_backward(
         dout_QHV.contiguous(), q_QHK, k_SGK, v_SGV, out_QHV, lse, unused, unused, None, int32_offsets(cu_q),
         int32_offsets(cu_k), max_q, max_k, 0.0, True, scale=scale,

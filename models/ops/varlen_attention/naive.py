@@ -1,5 +1,6 @@
 """Plain-torch reference of the packed causal attention kernels in `flash.py` and `cudnn.py` (same signatures and
-layouts).
+layouts of q, k, v, out and their gradients; the log-sum-exp is each pair's own, passed unchanged from its forward
+to its backward: `[H, Q]` here and in flash, `[Q, H, 1]` in cuDNN).
 
 Legend: Q packed query rows, S packed key rows, N sequences, H query heads, G key/value heads (G divides H), K query/key
 head dim, V value head dim. Sequence n's queries `[cu_q[n], cu_q[n+1])` attend to its keys

@@ -71,8 +71,9 @@ def _top_left_scores(q, k, cq, ck, causal, scale):
 
 def _simulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     cq, ck, H, G = cu_q.tolist(), cu_k.tolist(), q.shape[1], k.shape[1]
-    out = torch.zeros(q.shape[0], H, v.shape[-1], dtype=q.dtype)
-    lse = torch.full((q.shape[0], H, 1), float("-inf"), dtype=q.dtype)
+    # Rows without keys hold garbage, as a kernel may leave them: the split must mask them itself.
+    out = torch.full((q.shape[0], H, v.shape[-1]), float("nan"), dtype=q.dtype)
+    lse = torch.full((q.shape[0], H, 1), float("nan"), dtype=q.dtype)
     for n, qs, ks, s in _top_left_scores(q, k, cq, ck, causal, scale):
         if s.shape[2]:
             lse[qs] = s.logsumexp(-1).T[..., None]
@@ -124,7 +125,7 @@ CUDA_PAIRS = {
 # (H, G, K, V): MHA, GQA, and MLA's head dims (ling-3-tiny: q/k 192, v 128).
 CUDA_SHAPES = [(4, 4, 64, 64), (4, 2, 64, 64), (4, 4, 192, 128), (4, 2, 192, 128)]
 CUDA_LENGTHS = [(LENS_Q, LENS_K), (LENS_Q_EMPTY, LENS_K_EMPTY), ([50, 70, 13], [50, 70, 13]),
-                ([50, 70, 13], [90, 70, 300])]
+                ([5, 0, 7], [5, 0, 7]), ([50, 70, 13], [90, 70, 300])]
 
 
 def _relative_errors(got, ref):
@@ -158,6 +159,25 @@ def test_cuda_pair_equals_reference(backend, H, G, K, V, lens_q, lens_k):
     assert got[0].shape == ref[0].shape and got[3].shape == ref[3].shape
     errors = _relative_errors(got, ref)
     assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's flash and cuDNN kernels need CUDA")
+@pytest.mark.parametrize("backend", list(CUDA_PAIRS))
+def test_cuda_pair_takes_strided_values(backend):
+    """Values that are a split view of one projection (MLA's `[k_nope | v]`) give the results of packed values."""
+    _skip_unavailable(backend)
+    forward, backward = CUDA_PAIRS[backend]
+    q, k, v, dout = _inputs(4, 2, 192, torch.bfloat16, "cuda", lens_q=[50, 70, 13], lens_k=[50, 70, 13], V=128)
+    kv = torch.cat([torch.randn_like(k), v], dim=-1)
+    strided = kv[..., 192:]
+    assert not strided.is_contiguous() and torch.equal(strided, v)
+    args = (_cu([50, 70, 13], "cuda"), _cu([50, 70, 13], "cuda"), 70, 70, 192**-0.5)
+    results = []
+    for values in (v, strided):
+        out, lse = forward(q, k, values, *args)
+        results.append((out, *backward(dout, q, k, values, out, lse, *args)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's flash and cuDNN kernels need CUDA")
