@@ -39,5 +39,14 @@ def varlen_attention(q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tens
         cu_q, cu_k: int32/int64 `[N+1]` sequence offsets on q's device.
         max_q, max_k: the longest query and key sequence.
         scale: softmax scale.
+
+    Raises:
+        ValueError: the key/value heads do not divide the query heads, or V > K.
     """
+    H, G = q_QHK.shape[1], k_SGK.shape[1]
+    if H % G or v_SGV.shape[1] != G:
+        raise ValueError(f"key and value heads ({G}, {v_SGV.shape[1]}) must be equal and divide the query heads {H}")
+    if v_SGV.shape[-1] > q_QHK.shape[-1]:
+        raise ValueError(f"the value head dim {v_SGV.shape[-1]} must not exceed the query/key head dim "
+                         f"{q_QHK.shape[-1]}")
     return _VarlenAttention.apply(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale)

@@ -118,6 +118,15 @@ def test_varlen_attention_function_equals_autograd():
         assert (a - b).abs().max() < 1e-12
 
 
+def test_varlen_attention_refuses_shapes_no_kernel_takes():
+    q, k, v, _ = _inputs(4, 2, 8, torch.float64, V=6)
+    args = (_cu(LENS_Q), _cu(LENS_K), max(LENS_Q), max(LENS_K), 0.35)
+    with pytest.raises(ValueError, match="divide the query heads 4"):
+        varlen_attention(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), *args)
+    with pytest.raises(ValueError, match="value head dim 9"):
+        varlen_attention(q, k, torch.zeros(*v.shape[:2], 9, dtype=v.dtype), *args)
+
+
 CUDA_PAIRS = {
     "flash": (flash_varlen_forward, flash_varlen_backward),
     "cudnn": (cudnn_varlen_forward, cudnn_varlen_backward),
