@@ -36,8 +36,8 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
+from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
 from bench.speed import recompute_option
-from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
 from models.hf_io import load_hf
@@ -482,16 +482,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=None, help="compact rows per carry microbatch (--mode carry)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_kernel_cache_option(parser)
-    parser.add_argument("--fused-rowwise", action="store_true",
-                        help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
-    parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
-                        help="kernels of full attention, flat and tree alike "
-                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
+    add_kernel_choice_options(parser)
     args = parser.parse_args(argv)
-    if args.attention_backend == "cudnn" and args.attention == "branch":
-        parser.error("--attention-backend cudnn trains flat microbatches only (its backward of branch views is "
-                     "refused: models/ops/varlen_attention/cudnn.py); use --attention-backend flash, or another "
-                     "--attention layout")
+    check_kernel_choice(parser, args, args.attention == "branch")
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
     if args.mode == "tree" and args.capacity is not None:
@@ -504,8 +497,7 @@ def main(argv=None) -> int:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
     if args.device == "cuda":
         open_kernel_cache(args)
-        set_fused_rowwise(args.fused_rowwise)
-        set_attention_backend(args.attention_backend)
+        use_kernel_choice(args)
     try:
         result = run(args)
     except ValueError as e:

@@ -37,12 +37,12 @@ import torch
 
 from bench.ceiling import ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
+from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
-from models.ops.dispatch import ATTENTION_BACKENDS, set_attention_backend, set_fused_rowwise
 from models.presets import preset
 from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
@@ -468,23 +468,15 @@ def main(argv=None) -> int:
                              "save; lists joined by +), e.g. selective:part=ffn,save=experts")
     parser.add_argument("--json", help="also write results to this file")
     add_kernel_cache_option(parser)
-    parser.add_argument("--fused-rowwise", action="store_true",
-                        help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
-    parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
-                        help="kernels of full attention, flat and tree alike "
-                             "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
+    add_kernel_choice_options(parser)
     args = parser.parse_args(argv)
-    if args.attention_backend == "cudnn" and args.attention == "branch" and {"duplicate", "carry"} & set(args.modes):
-        parser.error("--attention-backend cudnn trains flat microbatches only (its backward of branch views is "
-                     "refused: models/ops/varlen_attention/cudnn.py); use --attention-backend flash, or another "
-                     "--attention layout")
+    check_kernel_choice(parser, args, args.attention == "branch" and bool({"duplicate", "carry"} & set(args.modes)))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     if device.type == "cuda":
         open_kernel_cache(args)
-        set_fused_rowwise(args.fused_rowwise)
-        set_attention_backend(args.attention_backend)
+        use_kernel_choice(args)
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
