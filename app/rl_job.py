@@ -40,7 +40,6 @@ from app.data import DataError, DataExhausted, TaskFeed, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
 from app.first_step import FirstStepWatch
-from models.ops.dispatch import set_fused_rowwise
 from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
                          sft_line, sft_scalars, train_scalars)
@@ -55,6 +54,7 @@ from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors, save_hf
 from models.carry_microbatch import CarryStep
 from models.microbatch import Microbatch
+from models.ops.dispatch import set_fused_rowwise
 from models.ops.kernel_cache import KernelCache, use_kernel_cache
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_planned
