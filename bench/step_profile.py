@@ -15,7 +15,9 @@ pair for flash attention (the tree's pairs shrink less than its rows); the exces
 of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench.speed.carry_step`, every unique row
 once), each against the same ideal when flat runs too. "timed run - kernels" is the second unprofiled run's wall time
 minus the profiled run's kernel time: the time the GPU waits for the host (preparation, launches,
-synchronisations). `--recompute` picks the activation recomputation of every mode (default full, as bench.speed).
+synchronisations); `bench.idle` says where in the profiled run it lies (before the first kernel, and the longest
+gaps between kernels with the host ops at their ends). `--recompute` picks the activation recomputation of every
+mode (default full, as bench.speed).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import warnings
 import torch
 
 from bench.ceiling import KernelWork, ideal, profiled
+from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import (
     carry_step, first_fit_flat, flat_pairs, flat_step, recompute_option, sync, tree_pairs, tree_step,
@@ -156,6 +159,8 @@ def main(argv=None) -> int:
         print(f"{name}: wall {wall:.2f} s under the profiler, kernels {kw.kernel_s:.3f} s "
               f"(flash attention {kw.flash_s:.3f} s) for {kw.rows:,} rows, {kw.pairs:.4g} query-key pairs; "
               f"timed run - kernels {timed_s - kw.kernel_s:+.3f} s")
+        print(f"{name} under the profiler (whose own host work slows the host): "
+              + profile_idle(prof).describe())
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
         if args.json:

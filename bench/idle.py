@@ -1,0 +1,112 @@
+"""Where the GPU waits for the host in a profiled step: the intervals in which no kernel or copy runs.
+
+`bench.step_profile` prints "timed run - kernels" (wall time minus device time). This module says where that time
+lies: the idle time before the first kernel (host preparation), and each gap between kernels with the host ops
+running at its start (what the host was doing when the GPU ran dry, e.g. a synchronising `aten::item` or numpy work
+between two ops) and at its end (the op whose launch ended it).
+
+Times are in microseconds of the profiler's clock (host events and device activities share it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.autograd import DeviceType
+
+from bench.ceiling import NOT_DEVICE_WORK
+
+__all__ = ["Gap", "IdleTime", "device_idle", "profile_idle"]
+
+Interval = tuple[float, float]
+"""[start, end) in microseconds."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One interval with nothing running on the device: its start (us after the window's) and length (s), and the
+    host ops (outermost / innermost names) running at its start and at its end ("-" for none: Python between ops;
+    "?" when not looked up)."""
+
+    start_us: float
+    seconds: float
+    host_at_start: str
+    host_at_end: str
+
+
+@dataclass(frozen=True)
+class IdleTime:
+    """Device idle time over a window: in all, before the first device activity, and the gaps after it of at least
+    the minimum length (longest first)."""
+
+    seconds: float
+    leading_s: float
+    gaps: list[Gap]
+
+    def describe(self, top: int = 5) -> str:
+        counted = sum(g.seconds for g in self.gaps)
+        lines = [f"device idle {self.seconds:.3f} s: {self.leading_s:.3f} s before the first kernel, "
+                 f"{len(self.gaps)} gaps after it hold {counted:.3f} s"]
+        for g in self.gaps[:top]:
+            lines.append(f"  {g.seconds * 1e3:8.2f} ms at +{g.start_us / 1e6:.3f} s: host in {g.host_at_start}, "
+                         f"until {g.host_at_end}")
+        return "\n".join(lines)
+
+
+def _union(intervals: Sequence[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _host_ops_at(t: float, host_ops: Sequence[tuple[float, float, str]]) -> str:
+    """`outermost / innermost` of the host ops whose interval holds t, "-" when none does."""
+    holding = [(start, end, name) for start, end, name in host_ops if start <= t < end]
+    if not holding:
+        return "-"
+    outer = min(holding, key=lambda op: (op[0], -op[1]))[2]
+    inner = max(holding, key=lambda op: (op[0], -op[1]))[2]
+    return outer if outer == inner else f"{outer} / {inner}"
+
+
+def device_idle(device: Sequence[Interval], host_ops: Sequence[tuple[float, float, str]], window: Interval,
+                min_gap_us: float = 100.0, named: int = 10) -> IdleTime:
+    """Idle device time within `window` given the device activities' intervals and the host ops' (start, end, name).
+
+    The gaps listed are those after the first device activity of at least `min_gap_us`, longest first; the host ops
+    are named for the `named` longest (a step's profile holds 10^5 events). `seconds` counts all idle time, shorter
+    gaps and the leading one included."""
+    t0, t1 = window
+    busy = [(max(s, t0), min(e, t1)) for s, e in _union(device) if e > t0 and s < t1]
+    if not busy:
+        return IdleTime((t1 - t0) / 1e6, (t1 - t0) / 1e6, [])
+    idle = (t1 - t0) - sum(e - s for s, e in busy)
+    spans = sorted(((prev_end, start) for (_, prev_end), (start, _) in zip(busy, busy[1:])
+                    if start - prev_end >= min_gap_us), key=lambda span: span[0] - span[1])
+    gaps = [Gap(s - t0, (e - s) / 1e6, *((_host_ops_at(s, host_ops), _host_ops_at(e, host_ops)) if k < named
+                                         else ("?", "?")))
+            for k, (s, e) in enumerate(spans)]
+    return IdleTime(idle / 1e6, (busy[0][0] - t0) / 1e6, gaps)
+
+
+def profile_idle(prof, min_gap_us: float = 100.0) -> IdleTime:
+    """`device_idle` of a `torch.profiler` profile, from its first host op (pure-Python work before it is not seen)
+    to its last device activity or host op; the "Command Buffer Full" records of a host blocked on the launch queue
+    are no device work."""
+    device, host = [], []
+    for e in prof.events():
+        interval = (e.time_range.start, e.time_range.end)
+        if e.device_type == DeviceType.CPU:
+            host.append((*interval, e.name))
+        elif e.name not in NOT_DEVICE_WORK:
+            device.append(interval)
+    if not host:
+        return IdleTime(0.0, 0.0, [])
+    t0 = min(s for s, _, _ in host)
+    t1 = max([e for _, e in device] + [max(e for _, e, _ in host)])
+    return device_idle(device, host, (t0, t1), min_gap_us)

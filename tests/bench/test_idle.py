@@ -1,0 +1,63 @@
+"""bench.idle: the device's idle time in a profile, before the first kernel and between kernels, with the host ops
+running at each gap's ends; and bench.ceiling.kernel_seconds leaves out the records that are no device work."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from bench.ceiling import kernel_seconds
+from bench.idle import device_idle, profile_idle
+
+HOST = [(0.0, 5000.0, "step"), (1000.0, 1400.0, "aten::item"), (1100.0, 1300.0, "cudaStreamSynchronize"),
+        (3000.0, 3100.0, "aten::mm")]
+
+
+def test_leading_time_and_gaps_longest_first_with_their_host_ops():
+    kernels = [(200.0, 1000.0), (500.0, 1050.0), (1400.0, 3000.0), (3050.0, 4900.0)]
+    idle = device_idle(kernels, HOST, (0.0, 5000.0), min_gap_us=100.0)
+    assert idle.leading_s == pytest.approx(200e-6)
+    assert idle.seconds == pytest.approx((200 + 350 + 50 + 100) * 1e-6)  # overlapping kernels are merged
+    assert [(g.start_us, g.seconds) for g in idle.gaps] == [(1050.0, pytest.approx(350e-6))]  # the 50 us gap is short
+    gap = idle.gaps[0]
+    assert gap.host_at_start == "step / aten::item" and gap.host_at_end == "step"
+    assert "350.00 ms" not in idle.describe() and "0.35 ms" in idle.describe()
+
+
+def test_a_window_without_device_work_is_all_idle():
+    idle = device_idle([], HOST, (0.0, 5000.0))
+    assert (idle.seconds, idle.leading_s, idle.gaps) == (pytest.approx(5e-3), pytest.approx(5e-3), [])
+
+
+def test_only_the_longest_gaps_are_looked_up():
+    kernels = [(0.0, 100.0), (300.0, 400.0), (1400.0, 1500.0)]
+    gaps = device_idle(kernels, HOST, (0.0, 1500.0), named=1).gaps
+    assert [g.seconds for g in gaps] == [pytest.approx(1e-3), pytest.approx(2e-4)]
+    assert (gaps[0].host_at_start, gaps[1].host_at_start, gaps[1].host_at_end) == ("step", "?", "?")
+
+
+def event(name, start, end, device=DeviceType.CUDA):
+    return SimpleNamespace(name=name, key=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           self_device_time_total=end - start)
+
+
+class FakeProfile:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+    def key_averages(self):
+        return self._events
+
+
+def test_a_full_launch_queue_is_not_device_work():
+    prof = FakeProfile([event("aten::mm", 0.0, 2000.0, DeviceType.CPU), event("gemm", 100.0, 900.0),
+                        event("Command Buffer Full", 900.0, 1500.0), event("flash_fwd_kernel", 1500.0, 2000.0)])
+    assert kernel_seconds(prof) == (pytest.approx(1.3e-3), pytest.approx(0.5e-3))
+    idle = profile_idle(prof, min_gap_us=100.0)
+    assert idle.leading_s == pytest.approx(1e-4)
+    assert [(g.start_us, g.seconds, g.host_at_start) for g in idle.gaps] == [(900.0, pytest.approx(6e-4), "aten::mm")]
