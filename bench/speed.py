@@ -283,6 +283,9 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
                         "executed_over_trie": executed / cplan.trie_compact_tokens,
                         "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s}
         row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
+        carried = per_mb["carry"][1]
+        state["carry_samples"] = [(executed, sum(view_rows(mb) for mb in carried),
+                                   sum(mb.layout.attention.context_rows for mb in carried), carry_s)]
     if args.ceiling and device.type == "cuda" and fbg is not None:
         row["ceiling"] = measure_ceiling(model, trajectories, flat_groups, groups, per_mb["duplicate"][1], normalizer,
                                          args.attention, device, fbg)
@@ -316,7 +319,8 @@ def measure_ceiling(model, trajectories, flat_groups, groups, mbs: list[Microbat
 
 def fit_cost_model(states: list[dict]) -> dict:
     """Seconds per flat token, and per tree compact row and attention-view row, fitted on every measured microbatch
-    of every workload (least squares through the origin; a negative tree coefficient is dropped and refitted)."""
+    of every workload (least squares through the origin; a negative tree coefficient is dropped and refitted); with
+    carry steps measured, also seconds per carried context row (`carry_context_cost`)."""
     flat = np.array([x for st in states for x in st["flat_samples"]], dtype=float)
     tree = np.array([x for st in states for x in st["tree_samples"]], dtype=float)
     per_token = float(flat[:, 1] @ flat[:, 0] / (flat[:, 0] @ flat[:, 0]))
@@ -325,7 +329,19 @@ def fit_cost_model(states: list[dict]) -> dict:
         keep = int(np.argmax(coef))
         coef = np.zeros(2)
         coef[keep] = tree[:, 2] @ tree[:, keep] / (tree[:, keep] @ tree[:, keep])
-    return {"flat_per_token": per_token, "tree_per_compact": float(coef[0]), "tree_per_view_row": float(coef[1])}
+    fit = {"flat_per_token": per_token, "tree_per_compact": float(coef[0]), "tree_per_view_row": float(coef[1])}
+    carry = [x for st in states for x in st.get("carry_samples", ())]
+    if carry:
+        fit["carry_per_context_row"] = carry_context_cost(carry, fit["tree_per_compact"], fit["tree_per_view_row"])
+    return fit
+
+
+def carry_context_cost(samples, per_compact: float, per_view_row: float) -> float:
+    """Seconds per carried context row: what carry steps (`samples` of (own rows, view rows, context rows,
+    seconds)) took beyond their rows and views at the tree's costs, over their context rows (0 when not more)."""
+    beyond = sum(t - per_compact * c - per_view_row * v for c, v, _, t in samples)
+    context = sum(p for _, _, p, _ in samples)
+    return max(beyond, 0.0) / context if context else 0.0
 
 
 def run_auto(state: dict, cost: dict, model, args, device) -> dict:
@@ -401,8 +417,9 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
     c = header["cost_model"]
     if c is not None:
         print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
-              f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row; auto runs a microbatch as a "
-              "tree when that is cheaper than its flat expansion")
+              f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row"
+              + (f", carry + {c['carry_per_context_row'] * 1e6:.2f} us/context row" if "carry_per_context_row" in c
+                 else "") + "; auto runs a microbatch as a tree when that is cheaper than its flat expansion")
     print("attn cmp: how much the full-attention work (query-key pairs) shrinks; it bounds the speedup of the attention"
           " share of the time the way compr bounds the rest")
     print("tree = duplicate mode (HARTS plan); carry x = flat s / carry s; exec/trie = carry's executed rows (own "

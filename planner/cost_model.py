@@ -31,8 +31,11 @@ class CostModel:
     carry_per_context_row: float = 6.20e-6
     """Carry mode: seconds per context row a part reads from earlier microbatches (its keys/values exported once,
     gathered by the consumer, their gradients accumulated and injected into the producer's backward, and held in
-    memory between the two). Not measured yet (no carry execution existed when this was written): set to the cost
-    of a view row, which moves the same keys and values once; refit it from bench.speed's carry column."""
+    memory between the two). Set to the cost of a view row, which moves the same keys and values once.
+    `bench.speed` refits it when it runs flat, duplicate and carry with auto mode (`carry_context_cost`). Measured
+    once (bench/RESULTS.md, session 9: SWE seed 5, 31,078 context rows): 12.0 us per context row over a refit of
+    that run's three duplicate microbatches (65.1 us/row, 1.83 us/view row), i.e. 0.37 s of a 9.85 s carry step;
+    at the defaults above the carry step runs 2.9 s faster than its rows and views predict (no context cost)."""
 
     def tree_seconds(self, compact_rows: int, view_rows: int) -> float:
         return self.tree_per_compact * compact_rows + self.tree_per_view_row * view_rows

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.speed import main
+from bench.speed import carry_context_cost, main
 
 
 def test_speed_runs_and_reports(tmp_path, capsys):
@@ -28,7 +28,18 @@ def test_speed_runs_and_reports(tmp_path, capsys):
         assert w["carry"]["executed_rows"] == w["carry"]["trie_rows"] == w["compact_tokens"]
         assert w["carry_speedup"] == w["flat"]["seconds"] / w["carry"]["seconds"]
     (cost,) = r["header"]["cost_model"]  # one per --recompute option
-    assert set(cost) == {"flat_per_token", "tree_per_compact", "tree_per_view_row"}
+    assert set(cost) == {"flat_per_token", "tree_per_compact", "tree_per_view_row", "carry_per_context_row"}
+    assert cost["carry_per_context_row"] == 0.0  # no tree outgrew a microbatch: no context rows were carried
+
+
+def test_carry_context_cost_is_the_time_beyond_rows_and_views():
+    """This session's H200 numbers: a refit of 65.1 us/row + 1.83 us/view row predicts 9.477 s for carry's 111,505
+    rows and 1,211,398 view rows; it took 9.85 s with 31,078 context rows."""
+    samples = [(111_505, 1_211_398, 31_078, 9.85)]
+    beyond = 9.85 - (65.1e-6 * 111_505 + 1.83e-6 * 1_211_398)
+    assert carry_context_cost(samples, 65.1e-6, 1.83e-6) == pytest.approx(beyond / 31_078)
+    assert carry_context_cost(samples, 80e-6, 1.83e-6) == 0.0  # faster than its rows predict: no cost, never negative
+    assert carry_context_cost([(10, 20, 0, 1.0)], 0.0, 0.0) == 0.0
 
 
 def test_modes_and_carry_splitting_a_tree(tmp_path, capsys):
