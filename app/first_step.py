@@ -1,7 +1,7 @@
 """The first step of each phase on a GPU, made visible: there fla's Triton kernels compile and autotune (minutes on an
 empty kernel cache, `models.ops.kernel_cache`), which would otherwise look like a hang.
 
-At the job's first step one line names the kernel cache and whether it is warm; while the first step of a phase
+At the job's first step one line names the kernel cache and how many entries it holds; while the first step of a phase
 runs, a heartbeat line every `interval` seconds; after it, the step's time. Without a kernel cache (CPU jobs, ranks
 other than the main one) it prints nothing.
 """

@@ -35,7 +35,8 @@ class KernelCache:
     """Kernels (cache entries) the folder held before this process compiled anything."""
 
     def describe(self) -> str:
-        state = (f"warm, {self.entries} entries" if self.entries else
+        state = (f"{self.entries} entries: kernels and shapes not among them compile on first use"
+                 if self.entries else
                  "empty: kernels compile and autotune on first use, minutes")
         return f"kernel cache {self.folder} ({state}; from {self.source})"
 

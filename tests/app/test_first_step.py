@@ -39,7 +39,7 @@ def test_a_failing_first_step_stops_the_heartbeat_and_prints_no_time(tmp_path):
         pass
     count = len(lines)
     time.sleep(0.08)
-    assert len(lines) == count and lines == [watch.cache.describe()] and "warm, 3 entries" in lines[0]
+    assert len(lines) == count and lines == [watch.cache.describe()] and "(3 entries: " in lines[0]
 
 
 def test_without_a_kernel_cache_nothing_is_printed():

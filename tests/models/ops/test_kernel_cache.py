@@ -36,7 +36,7 @@ def test_the_default_and_a_warm_folder(tmp_path):
         (tmp_path / "default" / name).mkdir(parents=True)
     cache = use_kernel_cache(None, tmp_path / "default", "--kernel-cache")
     assert cache.source == "default" and cache.entries == 2
-    assert "(warm, 2 entries; from default)" in cache.describe()
+    assert "(2 entries: kernels and shapes not among them compile on first use; from default)" in cache.describe()
 
 
 def test_a_folder_set_by_an_earlier_job_is_not_the_users(tmp_path):
