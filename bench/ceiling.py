@@ -16,7 +16,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["NOT_DEVICE_WORK", "KernelWork", "Ideal", "ideal", "kernel_seconds", "profiled"]
+from models.tree.regions import PREFIX
+
+__all__ = ["NOT_DEVICE_WORK", "KernelWork", "Ideal", "ideal", "is_device_work", "kernel_seconds", "profiled",
+           "tree_regions"]
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,28 @@ def ideal(flat: KernelWork, tree: KernelWork) -> Ideal:
 NOT_DEVICE_WORK = frozenset({"Command Buffer Full"})
 
 
+def is_device_work(e) -> bool:
+    """Whether a profile event (or key average) is device work: a kernel or copy, neither a host event, nor the
+    device-side span of a `record_function` region (`is_user_annotation`), nor `NOT_DEVICE_WORK`."""
+    return (e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+            and e.key not in NOT_DEVICE_WORK)
+
+
 def kernel_seconds(prof) -> tuple[float, float]:
-    """(all device kernels and copies, the flash-attention kernels) of a `torch.profiler` profile, in seconds;
-    `NOT_DEVICE_WORK` left out."""
-    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.key not in NOT_DEVICE_WORK]
+    """(all device kernels and copies, the flash-attention kernels) of a `torch.profiler` profile, in seconds
+    (`is_device_work`)."""
+    kernels = [e for e in prof.key_averages() if is_device_work(e)]
     total = sum(e.self_device_time_total for e in kernels)
     flash = sum(e.self_device_time_total for e in kernels if "flash" in e.key)
     return total / 1e6, flash / 1e6
+
+
+def tree_regions(prof) -> list[tuple[str, float, int]]:
+    """Tree execution's own regions (`models.tree.regions`) in a profile: (name, device seconds of the kernels
+    launched inside, calls), most device time first."""
+    found = [(e.key[len(PREFIX):], e.device_time_total / 1e6, e.count) for e in prof.key_averages()
+             if e.device_type == DeviceType.CPU and e.key.startswith(PREFIX)]
+    return sorted(found, key=lambda r: -r[1])
 
 
 def profiled(fn: Callable[[], object], rows: float, pairs: float, record_shapes: bool = False

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch.autograd import DeviceType
 
-from bench.ceiling import NOT_DEVICE_WORK
+from bench.ceiling import is_device_work
 
 __all__ = ["Gap", "IdleTime", "device_idle", "profile_idle"]
 
@@ -96,14 +96,14 @@ def device_idle(device: Sequence[Interval], host_ops: Sequence[tuple[float, floa
 
 def profile_idle(prof, min_gap_us: float = 100.0) -> IdleTime:
     """`device_idle` of a `torch.profiler` profile, from its first host op (pure-Python work before it is not seen)
-    to its last device activity or host op; the "Command Buffer Full" records of a host blocked on the launch queue
-    are no device work."""
+    to its last device activity or host op; only `bench.ceiling.is_device_work` keeps the device busy (not the
+    "Command Buffer Full" records of a host blocked on the launch queue, nor the device spans of annotations)."""
     device, host = [], []
     for e in prof.events():
         interval = (e.time_range.start, e.time_range.end)
         if e.device_type == DeviceType.CPU:
             host.append((*interval, e.name))
-        elif e.name not in NOT_DEVICE_WORK:
+        elif is_device_work(e):
             device.append(interval)
     if not host:
         return IdleTime(0.0, 0.0, [])

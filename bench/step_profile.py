@@ -16,8 +16,9 @@ of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench
 once), each against the same ideal when flat runs too. "timed run - kernels" is the second unprofiled run's wall time
 minus the profiled run's kernel time: the time the GPU waits for the host (preparation, launches,
 synchronisations); `bench.idle` says where in the profiled run it lies (before the first kernel, and the longest
-gaps between kernels with the host ops at their ends). `--recompute` picks the activation recomputation of every
-mode (default full, as bench.speed).
+gaps between kernels with the host ops at their ends), and `models.tree.regions` what tree execution's own work
+(branch view gathers, flash calls and scatter-adds, row gathers, carried context) costs on the device.
+`--recompute` picks the activation recomputation of every mode (default full, as bench.speed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import warnings
 
 import torch
 
-from bench.ceiling import KernelWork, ideal, profiled
+from bench.ceiling import KernelWork, ideal, profiled, tree_regions
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import (
@@ -161,6 +162,10 @@ def main(argv=None) -> int:
               f"timed run - kernels {timed_s - kw.kernel_s:+.3f} s")
         print(f"{name} under the profiler (whose own host work slows the host): "
               + profile_idle(prof).describe())
+        regions = tree_regions(prof)
+        if regions:
+            print(f"{name}: tree execution's own regions (models.tree.regions), device s and calls: "
+                  + "; ".join(f"{r} {t:.3f} s / {n}" for r, t, n in regions))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                         max_name_column_width=60))
         if args.json:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.ops.varlen_attention import pads_values, varlen_kernels
+from models.tree.regions import region
 
 __all__ = ["BranchGroup", "branch_attention", "branch_groups"]
 
@@ -86,10 +87,13 @@ class _BranchAttention(torch.autograd.Function):
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
-            view = kv_index[g.kv]
-            out_CHW[g.rows], lse = forward_kernel(
-                q_CHK[g.rows], k_CGK[view], v_CGW[view], g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
-            )
+            with region("branch view gather"):
+                view = kv_index[g.kv]
+                k_view, v_view = k_CGK[view], v_CGW[view]
+            with region("branch view attention"):
+                out_CHW[g.rows], lse = forward_kernel(
+                    q_CHK[g.rows], k_view, v_view, g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
+                )
             lses.append(lse)
         ctx.save_for_backward(q_CHK, k_CGK, v_CGV, kv_index, out_CHW, *lses)
         ctx.groups, ctx.scale = groups, scale
@@ -102,13 +106,17 @@ class _BranchAttention(torch.autograd.Function):
         v_CGW, dout_CHW = _padded(v_CGV, W), _padded(dout_CHV, W).contiguous()
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
-            view = kv_index[g.kv]
-            dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
-                dout_CHW[g.rows], q_CHK[g.rows], k_CGK[view], v_CGW[view], out_CHW[g.rows], lse,
-                g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
-            )
-            dk.index_put_((view,), dk_view, accumulate=True)
-            dv.index_put_((view,), dv_view[..., :V], accumulate=True)
+            with region("branch view gather"):
+                view = kv_index[g.kv]
+                k_view, v_view = k_CGK[view], v_CGW[view]
+            with region("branch view attention backward"):
+                dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
+                    dout_CHW[g.rows], q_CHK[g.rows], k_view, v_view, out_CHW[g.rows], lse,
+                    g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
+                )
+            with region("branch view scatter-add"):
+                dk.index_put_((view,), dk_view, accumulate=True)
+                dv.index_put_((view,), dv_view[..., :V], accumulate=True)
         return dq, dk, dv, None, None, None
 
 

@@ -35,6 +35,7 @@ from models.mla import MLA
 from models.tree.attention import tree_attention
 from models.tree.carry_layout import CarryLinks, Index
 from models.tree.mixers import TreeContext, conv_initial_state, linear_attention_states
+from models.tree.regions import region
 
 __all__ = ["NAMES", "LATENT_NAMES", "carried_names", "CarryTraffic", "CarryContext", "CarryExchange"]
 
@@ -49,7 +50,10 @@ Reader = Callable[[nn.Module, str, Sequence[str]], dict[str, torch.Tensor]]
 
 
 def _cat(own: torch.Tensor, carried: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    return torch.cat([own, carried[name]]) if carried else own
+    if not carried:
+        return own
+    with region("carried context"):
+        return torch.cat([own, carried[name]])
 
 
 def carried_names(mixer: nn.Module, kind: str) -> tuple[str, ...]:
@@ -59,7 +63,8 @@ def carried_names(mixer: nn.Module, kind: str) -> tuple[str, ...]:
 
 def _take(x: torch.Tensor, rows: Index) -> torch.Tensor:
     """Rows of x as a tensor of their own: an export must not keep the whole layer's tensor alive through a view."""
-    return x[rows].clone() if isinstance(rows, slice) else x[rows]
+    with region("carry export"):
+        return x[rows].clone() if isinstance(rows, slice) else x[rows]
 
 
 class CarryTraffic:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.tree.regions import region
+
 __all__ = ["RowGather"]
 
 
@@ -60,14 +62,16 @@ class _RowGatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gather: RowGather):
         ctx.gather = gather
-        return x[gather.index]
+        with region("row gather"):
+            return x[gather.index]
 
     @staticmethod
     def backward(ctx, grad):
         g: RowGather = ctx.gather
-        dx = grad[g.first]
-        if g.unread.numel():
-            dx.index_fill_(0, g.unread, 0)
-        if g.repeat_pos.numel():
-            dx.index_put_((g.repeat_row,), grad[g.repeat_pos], accumulate=True)
+        with region("row gather backward"):
+            dx = grad[g.first]
+            if g.unread.numel():
+                dx.index_fill_(0, g.unread, 0)
+            if g.repeat_pos.numel():
+                dx.index_put_((g.repeat_row,), grad[g.repeat_pos], accumulate=True)
         return dx, None

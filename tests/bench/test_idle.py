@@ -1,15 +1,25 @@
 """bench.idle: the device's idle time in a profile, before the first kernel and between kernels, with the host ops
-running at each gap's ends; and bench.ceiling.kernel_seconds leaves out the records that are no device work."""
+running at each gap's ends; bench.ceiling.kernel_seconds leaves out the records that are no device work, and
+bench.ceiling.tree_regions finds tree execution's own regions (models.tree.regions) in a profile."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
-from bench.ceiling import kernel_seconds
+from bench.ceiling import kernel_seconds, tree_regions
 from bench.idle import device_idle, profile_idle
+from models.tree import regions
+from models.tree.attention import tree_attention
+from models.tree.row_gather import RowGather
+from planner.pack import pack
+from planner.trajectory import Trajectory
+from tests.models.tree.test_attention import segment_order_layout
 
 HOST = [(0.0, 5000.0, "step"), (1000.0, 1400.0, "aten::item"), (1100.0, 1300.0, "cudaStreamSynchronize"),
         (3000.0, 3100.0, "aten::mm")]
@@ -54,10 +64,40 @@ class FakeProfile:
         return self._events
 
 
-def test_a_full_launch_queue_is_not_device_work():
+def test_a_full_launch_queue_and_annotation_spans_are_not_device_work():
+    annotation = event("tree: branch views", 0.0, 2000.0)
+    annotation.is_user_annotation = True
     prof = FakeProfile([event("aten::mm", 0.0, 2000.0, DeviceType.CPU), event("gemm", 100.0, 900.0),
-                        event("Command Buffer Full", 900.0, 1500.0), event("flash_fwd_kernel", 1500.0, 2000.0)])
+                        event("Command Buffer Full", 900.0, 1500.0), event("flash_fwd_kernel", 1500.0, 2000.0),
+                        annotation])
     assert kernel_seconds(prof) == (pytest.approx(1.3e-3), pytest.approx(0.5e-3))
     idle = profile_idle(prof, min_gap_us=100.0)
     assert idle.leading_s == pytest.approx(1e-4)
     assert [(g.start_us, g.seconds, g.host_at_start) for g in idle.gaps] == [(900.0, pytest.approx(6e-4), "aten::mm")]
+
+
+def test_tree_regions_are_profiled_on_the_cpu_and_cost_nothing_unprofiled():
+    """The branch views' regions appear once per group and pass (forward gathers, attention; backward gathers,
+    attention, scatter-add), the row gathers' forward and backward too; without a profiler no range is opened."""
+    trunk = list(range(1, 9))
+    batch = pack([Trajectory(np.array(trunk + tail)) for tail in ([20, 21], [30], [40, 41, 42])])
+    _, layout = segment_order_layout(batch, 0, max_view_rows=4)
+    C = batch.num_compact
+    qkv = [torch.randn(C, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    gather = RowGather.build(np.arange(C)[::-1], C)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = tree_attention(*qkv, layout, 0.5, "branch")
+        (gather(out) ** 2).sum().backward()
+    counts = {k: n for k, _, n in tree_regions(prof)}
+    groups = len(layout.groups)
+    assert groups >= 2 and counts == {"branch view gather": 2 * groups, "branch view attention": groups,
+                                      "branch view attention backward": groups, "branch view scatter-add": groups,
+                                      "row gather": 1, "row gather backward": 1}
+    opened = []
+    real = regions.record_function
+    regions.record_function = lambda name: opened.append(name) or real(name)
+    try:
+        tree_attention(*qkv, layout, 0.5, "branch").sum().backward()
+    finally:
+        regions.record_function = real
+    assert opened == []
