@@ -12,7 +12,7 @@ model's architecture or the environment run in app.preflight before the job star
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +20,7 @@ from app.config_loader import PATH, ConfigError
 from app.data.config import DataConfig
 from app.losses import PolicyLossConfig
 from parallel.config import ParallelConfig
+from planner.cost_model import CostModel
 from rollout.config import RolloutConfig
 
 __all__ = ["JobConfig", "ConfigError"]
@@ -141,8 +142,17 @@ class PlannerConfig:
     """Carry plans only: how many open microbatches (forwarded, with later microbatches reading them before their
     backward) keep their saved activations on the GPU; the others wait in pinned host memory until their backward
     (parallel/host_offload.py). 0 parks every one; larger values trade GPU memory for the copies."""
+    cost: CostModel = field(default_factory=CostModel)
+    """`[planner.cost]`: seconds per unit of work (`planner.cost_model.CostModel`: flat_per_token,
+    tree_per_compact, tree_per_view_row, carry_per_context_row), the model "auto" decides with: per tree, carry or
+    duplicate; per microbatch of a HARTS plan, the trie or its flat expansion (trajectory-wise execution, for
+    microbatches that share too little to gain). Defaults: a fit on an H200; `python -m bench.speed` prints the fit
+    for your GPU and model ("cost model: ...")."""
 
     def __post_init__(self) -> None:
+        for name, value in asdict(self.cost).items():
+            if not value >= 0:
+                raise ConfigError(f"`planner.cost.{name}` must be >= 0 seconds, got {value}")
         if self.capacity < 1:
             raise ConfigError(f"`planner.capacity` must be >= 1, got {self.capacity}")
         if self.carry_resident < 0:

@@ -71,6 +71,7 @@ def plan_scalars(step: dict[str, float], planner_seconds: float) -> dict[str, fl
         "train/semantic_tokens": step["semantic_tokens"],
         "train/compression": step["compression"],
         "train/linear_attention_calls": step["linear_attention_calls"],
+        "train/flat_microbatches": step["flat_microbatches"],
         "time/planner": planner_seconds,
     }
 

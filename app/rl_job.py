@@ -266,15 +266,18 @@ class _Job:
     def _planned(self, trajectories: list[Trajectory], scalars: dict[str, float] | None = None) -> SharedBatch:
         """(main rank) The step's microbatch plan for the job's D replicas."""
         start = time.perf_counter()
-        plan = plan_step(trajectories, self.config.planner.capacity, self.trainer.dp, self.config.plan_mode)
+        planner = self.config.planner
+        plan = plan_step(trajectories, planner.capacity, self.trainer.dp, self.config.plan_mode, cost=planner.cost)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
     def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch] | CarryStep:
         """This replica's microbatches of the step (carry microbatches and their events under a CarryPlan), with
-        their loss inputs."""
+        their loss inputs; in "auto" mode a HARTS plan's microbatch that shares too little runs flat (the cost
+        model's choice)."""
         t = self.trainer
+        cost = self.config.planner.cost if self.config.plan_mode == "auto" else None
         return prepare_planned(shared.trajectories, shared.plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
-                               model_config=t.model.config, aggregation=aggregation, device=t.device)
+                               model_config=t.model.config, aggregation=aggregation, device=t.device, cost=cost)
 
     def _update(self, microbatches: list[Microbatch] | CarryStep, loss_fn, lr: float, temperature: float,
                 label: str) -> Update:

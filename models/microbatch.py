@@ -25,6 +25,7 @@ import torch
 from models.config import ModelConfig
 from models.tree.layout import TreeLayout
 from planner.calls import ExecutionPlan, plan_calls
+from planner.cost_model import CostModel
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
 
@@ -118,6 +119,9 @@ class Microbatch:
     """What every layer of tree execution reads (device tensors, physical row order)."""
     loss: LossInputs | None = None
     """The loss inputs under the step's normalisers; None when prepared without them (scoring, benchmarks)."""
+    flat: bool = False
+    """Run as its flat expansion (`planner.pack.pack(share=False)`: trajectory-wise, nothing shared), because the
+    cost model predicted the trie no faster (`prepare_microbatch`'s `cost`)."""
 
     @property
     def num_compact(self) -> int:
@@ -144,9 +148,14 @@ def prepare_microbatch(
     normalizer: StepNormalizer | None = None,
     aggregation: Aggregation = "token-mean",
     replay: bool = True,
+    cost: CostModel | None = None,
+    capacity: int | None = None,
 ) -> Microbatch:
     """Pack `trajectories` into a trie, plan its tree execution with the model's chunk size and conv width, and
-    (with the step's `normalizer`) build its loss inputs.
+    (with the step's `normalizer`) build its loss inputs. With a `cost` model and the microbatch `capacity`, a trie
+    it predicts no faster than its flat expansion, when that expansion fits the capacity (`CostModel.runs_flat` of
+    its rows, view rows and semantic tokens), is packed unshared instead: the same log-probs, losses and gradients,
+    trajectory-wise.
 
     Args:
         trajectories: the microbatch's trajectories (any order; the trie is built in lexicographic order).
@@ -155,9 +164,17 @@ def prepare_microbatch(
         normalizer: the step's global counts (sum of `trained_counts` over every microbatch of every replica).
         aggregation: how `token_weights` averages the loss.
         replay: linear-attention replay of [a(p), p) for forks inside chunks (HARTS); False only for the ablation.
+        cost, capacity: decide tree or flat execution (both or neither); None: always the trie.
     """
+    if (cost is None) != (capacity is None):
+        raise ValueError("prepare_microbatch: give `cost` and `capacity` together (the flat expansion must fit)")
     batch = pack(trajectories)
     plan = plan_calls(batch, model.chunk_size, replay=replay)
+    flat = cost is not None and cost.runs_flat(batch.num_compact, plan.view_rows(batch.positions),
+                                               batch.num_semantic, capacity)
+    if flat:
+        batch = pack(trajectories, share=False)
+        plan = plan_calls(batch, model.chunk_size, replay=replay)
     layout = TreeLayout.build(batch, plan, model.conv_size, device)
     loss = None if normalizer is None else LossInputs.build(batch, normalizer, aggregation, device)
-    return Microbatch(batch, plan, layout, loss)
+    return Microbatch(batch, plan, layout, loss, flat)

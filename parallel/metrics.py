@@ -19,10 +19,12 @@ __all__ = ["reduce_step", "global_expert_counts", "build_metrics_logger"]
 
 def reduce_step(metrics: StepMetrics, dp_group: dist.ProcessGroup | None, device=None) -> dict[str, float]:
     """Whole-step scalars: loss (sum of microbatch losses = the step loss), microbatches, semantic tokens, compact
-    rows, compression (semantic / compact), linear-attention calls, and every loss metric (summed)."""
-    names = ["loss", "microbatches", "semantic_tokens", "compact_rows", "linear_attention_calls", *metrics.extras]
+    rows, compression (semantic / compact), linear-attention calls, microbatches run flat, and every loss metric
+    (summed)."""
+    names = ["loss", "microbatches", "semantic_tokens", "compact_rows", "linear_attention_calls",
+             "flat_microbatches", *metrics.extras]
     values = [metrics.loss, metrics.microbatches, metrics.semantic_tokens, metrics.compact_rows,
-              metrics.linear_attention_calls, *metrics.extras.values()]
+              metrics.linear_attention_calls, metrics.flat_microbatches, *metrics.extras.values()]
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dp_group is not None:
         dist.all_reduce(t, group=dp_group)

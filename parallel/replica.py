@@ -26,6 +26,7 @@ from models.carry_microbatch import CarryStep, prepare_carry_step
 from models.config import ModelConfig
 from models.microbatch import Aggregation, Microbatch, StepNormalizer, prepare_microbatch, trained_counts
 from planner.carry import CarryPlan
+from planner.cost_model import CostModel
 from planner.microbatch import MicrobatchPlan
 from planner.trajectory import Trajectory
 
@@ -61,13 +62,17 @@ def prepare_replica(
     model_config: ModelConfig,
     aggregation: Aggregation,
     device: torch.device,
+    cost: CostModel | None = None,
 ) -> list[Microbatch]:
     """This replica's microbatches of the step `plan`, in slot order, each prepared with its loss inputs under the
-    step's global normalisers (a collective over `dp_group`: every rank calls it)."""
+    step's global normalisers (a collective over `dp_group`: every rank calls it); with a `cost` model, each runs as
+    a trie or, when it predicts that faster and it fits the plan's capacity, as its flat expansion
+    (`models.microbatch.prepare_microbatch`)."""
     groups = replica_microbatches(plan, trajectories, dp_rank)
     normalizer = step_normalizer(groups, dp_group, device)
-    return [prepare_microbatch(g, model_config, device, normalizer=normalizer, aggregation=aggregation)
-            for g in groups]
+    capacity = None if cost is None else plan.capacity
+    return [prepare_microbatch(g, model_config, device, normalizer=normalizer, aggregation=aggregation, cost=cost,
+                               capacity=capacity) for g in groups]
 
 
 def prepare_carry_replica(
@@ -95,9 +100,11 @@ def prepare_carry_replica(
                               normalizer=normalizer, aggregation=aggregation)
 
 
-def prepare_planned(trajectories: Sequence[Trajectory], plan: MicrobatchPlan | CarryPlan, **kwargs
-                    ) -> list[Microbatch] | CarryStep:
-    """`prepare_carry_replica` for a CarryPlan, `prepare_replica` for a MicrobatchPlan (same keyword arguments);
-    `parallel.carry_runner.CarryRunner` runs either result."""
-    prepare = prepare_carry_replica if isinstance(plan, CarryPlan) else prepare_replica
-    return prepare(trajectories, plan, **kwargs)
+def prepare_planned(trajectories: Sequence[Trajectory], plan: MicrobatchPlan | CarryPlan, *,
+                    cost: CostModel | None = None, **kwargs) -> list[Microbatch] | CarryStep:
+    """`prepare_carry_replica` for a CarryPlan, `prepare_replica` (with `cost`) for a MicrobatchPlan (same other
+    keyword arguments); `parallel.carry_runner.CarryRunner` runs either result. Carry microbatches always run as
+    tries (they read and export context)."""
+    if isinstance(plan, CarryPlan):
+        return prepare_carry_replica(trajectories, plan, **kwargs)
+    return prepare_replica(trajectories, plan, cost=cost, **kwargs)

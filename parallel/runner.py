@@ -54,6 +54,8 @@ class StepMetrics:
     linear_attention_calls: int
     """Packed linear-attention kernel calls per layer, summed over microbatches
     (`Microbatch.linear_attention_calls`)."""
+    flat_microbatches: int = 0
+    """Microbatches run as their flat expansion (`Microbatch.flat`)."""
     extras: dict[str, float] = field(default_factory=dict)
     """The loss function's metrics, summed."""
     expert_counts: list[torch.Tensor | None] = field(default_factory=list)
@@ -121,6 +123,7 @@ def step_metrics(microbatches: Sequence[Microbatch], losses_K: torch.Tensor, ext
         compact_rows=sum(mb.num_compact for mb in microbatches),
         semantic_tokens=sum(mb.num_semantic for mb in microbatches),
         linear_attention_calls=sum(mb.linear_attention_calls for mb in microbatches),
+        flat_microbatches=sum(mb.flat for mb in microbatches),
         extras=extras, expert_counts=expert_counts,
         non_finite=None if bool(finite_K.all()) else int((~finite_K).nonzero()[0]),
         forward_seconds=forward_seconds, backward_seconds=backward_seconds,

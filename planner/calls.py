@@ -122,6 +122,13 @@ class ExecutionPlan:
     def num_states(self) -> int:
         return int(self.state_offsets[-1])
 
+    def view_rows(self, positions: np.ndarray) -> int:
+        """Rows of the full-attention branch views of the plan's sequences (`models.tree.layout`): a sequence's
+        keys are its path from the root through its last row, so it reads that row's position + 1 rows.
+        `positions` [C]: the original position of each compact row (`CompactBatch.positions`)."""
+        ends = self.seq_row_offsets[1:][np.diff(self.seq_row_offsets) > 0]
+        return int((positions[self.physical_to_compact[ends - 1]] + 1).sum())
+
 
 def _outside_rows(tree, anchor_of_root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(path [X], position [X]) of the outside rows the external roots replay, [anchor, start) of each, sorted and

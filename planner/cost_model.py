@@ -1,6 +1,7 @@
 """A linear cost model of one microbatch's forward + backward + gradient, for the planner's execution choices.
 
-Two choices use it: whether a planned microbatch runs as a tree or as its flat expansion (`prefers_tree`), and
+Two choices use it: whether a planned microbatch runs as a tree or as its flat expansion (`runs_flat`,
+`models.microbatch.prepare_microbatch`), and
 whether a tree larger than a microbatch is carried across microbatches or split by whole trajectories with its
 shared prefixes duplicated (`prefers_carry`, planner/step_plan.py).
 
@@ -47,6 +48,11 @@ class CostModel:
         """Whether a microbatch of `compact_rows` rows whose branch views hold `view_rows` rows, expanding to
         `semantic_tokens` flat tokens, is predicted at most as slow as a tree as flat."""
         return self.tree_seconds(compact_rows, view_rows) <= self.flat_seconds(semantic_tokens)
+
+    def runs_flat(self, compact_rows: int, view_rows: int, semantic_tokens: int, capacity: int) -> bool:
+        """Whether such a microbatch runs as its flat expansion: predicted faster than the trie (`prefers_tree`
+        false) and its `semantic_tokens` rows within the microbatch `capacity` (the memory budget of a microbatch)."""
+        return semantic_tokens <= capacity and not self.prefers_tree(compact_rows, view_rows, semantic_tokens)
 
     def carry_seconds(self, extra_view_rows: int, context_rows: int) -> float:
         """What carrying a tree over its parts adds: view rows of its cuts and the context rows its parts read."""

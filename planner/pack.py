@@ -110,11 +110,13 @@ class CompactBatch:
         return int(self.positions.max()) + 1
 
 
-def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
+def pack(trajectories: Sequence[Trajectory], *, share: bool = True) -> CompactBatch:
     """Merge identical token prefixes of `trajectories` (from any number of trees) into one trie.
 
     Two positions share a row iff their whole token prefixes (including the token itself) are identical; tree ids do
-    not matter. Returns a CompactBatch whose semantic arrays follow the input order.
+    not matter. With `share=False` nothing is merged: every trajectory is a path of its own, in input order (the
+    flat expansion, which tree execution runs as trajectory-wise training). Returns a CompactBatch whose semantic
+    arrays follow the input order.
     """
     if len(trajectories) == 0:
         raise ValueError("pack() needs at least one trajectory, got an empty list")
@@ -125,7 +127,10 @@ def pack(trajectories: Sequence[Trajectory]) -> CompactBatch:
     traj_offsets = offsets(lengths)
     S = int(traj_offsets[-1])
 
-    order, lcp = lexicographic_lcp(toks, byteorder=">")
+    if share:
+        order, lcp = lexicographic_lcp(toks, byteorder=">")
+    else:
+        order, lcp = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     new = lengths[order] - lcp  # rows contributed by each trajectory in sorted order
     base = offsets(new)
     C = int(base[-1])

@@ -14,7 +14,8 @@ backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one gr
 The scatter is `index_put_(accumulate=True)`, not `index_add_`: a trunk row is in every view of its group, and
 index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE microbatch, 25 ms sorted);
 the sorted accumulate sums a row's contributions in one pass in a fixed order, so dk/dv are also deterministic and
-rounded once per group.
+rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: a flat microbatch, trunks
+that start trees) reads its rows of k and v in place and adds their gradients, as flat attention would.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class BranchGroup:
     """Consecutive branches run by one kernel call.
 
     rows: their query rows `[start, stop)` (physical order); kv: slice of the layout's `kv_index` with their views;
-    cu_q / cu_kv [n+1]: group-local query and view offsets (int32, on the layout's device); max_q, max_kv: longest.
+    cu_q / cu_kv [n+1]: group-local query and view offsets (int32, on the layout's device); max_q, max_kv: longest;
+    own_rows: no branch of the group has ancestors, so its views are its query rows in order: the kernels read those
+    rows of k and v in place and their gradients are added to them, with no gather and no scatter-add (a flat
+    microbatch, or the trunks that start trees).
     """
 
     rows: slice
@@ -45,9 +49,11 @@ class BranchGroup:
     cu_kv: torch.Tensor
     max_q: int
     max_kv: int
+    own_rows: bool = False
 
     def to(self, device) -> "BranchGroup":
-        return BranchGroup(self.rows, self.kv, self.cu_q.to(device), self.cu_kv.to(device), self.max_q, self.max_kv)
+        return BranchGroup(self.rows, self.kv, self.cu_q.to(device), self.cu_kv.to(device), self.max_q, self.max_kv,
+                           self.own_rows)
 
 
 def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, device=None) -> list[BranchGroup]:
@@ -66,6 +72,7 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
             cu_kv=torch.as_tensor(kv_off, dtype=torch.int32, device=device),
             max_q=int(np.diff(q_off).max()),
             max_kv=int(np.diff(kv_off).max()),
+            own_rows=bool(np.array_equal(q_off, kv_off)),
         ))
         n = m
     return groups
@@ -74,6 +81,17 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
 def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
     """x `[..., w]` zero-padded to `[..., width]` (x itself when w == width)."""
     return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+
+
+def _views(g: BranchGroup, k_CGK: torch.Tensor, v_CGW: torch.Tensor, kv_index: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys and values `[A, G, K]`, `[A, G, W]`: its query rows in place when `own_rows`, else its
+    gathered views."""
+    if g.own_rows:
+        return k_CGK[g.rows].contiguous(), v_CGW[g.rows].contiguous()  # views of contiguous rows: no copy
+    with region("branch view gather"):
+        view = kv_index[g.kv]
+        return k_CGK[view], v_CGW[view]
 
 
 class _BranchAttention(torch.autograd.Function):
@@ -87,9 +105,7 @@ class _BranchAttention(torch.autograd.Function):
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
-            with region("branch view gather"):
-                view = kv_index[g.kv]
-                k_view, v_view = k_CGK[view], v_CGW[view]
+            k_view, v_view = _views(g, k_CGK, v_CGW, kv_index)
             with region("branch view attention"):
                 out_CHW[g.rows], lse = forward_kernel(
                     q_CHK[g.rows], k_view, v_view, g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
@@ -106,15 +122,18 @@ class _BranchAttention(torch.autograd.Function):
         v_CGW, dout_CHW = _padded(v_CGV, W), _padded(dout_CHV, W).contiguous()
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
-            with region("branch view gather"):
-                view = kv_index[g.kv]
-                k_view, v_view = k_CGK[view], v_CGW[view]
+            k_view, v_view = _views(g, k_CGK, v_CGW, kv_index)
             with region("branch view attention backward"):
                 dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
                     dout_CHW[g.rows], q_CHK[g.rows], k_view, v_view, out_CHW[g.rows], lse,
                     g.cu_q, g.cu_kv, g.max_q, g.max_kv, ctx.scale,
                 )
+            if g.own_rows:
+                dk[g.rows] += dk_view
+                dv[g.rows] += dv_view[..., :V]
+                continue
             with region("branch view scatter-add"):
+                view = kv_index[g.kv]
                 dk.index_put_((view,), dk_view, accumulate=True)
                 dv.index_put_((view,), dv_view[..., :V], accumulate=True)
         return dq, dk, dv, None, None, None

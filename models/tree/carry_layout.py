@@ -115,6 +115,11 @@ class CarryLayout:
         """Packed linear-attention kernel calls per layer."""
         return len(self.layout.linear_calls)
 
+    @property
+    def flat(self) -> bool:
+        """Never: a carry microbatch runs as a trie, it reads and exports context (`Microbatch.flat`)."""
+        return False
+
 
 class _Rows:
     """One microbatch's own rows (host): parts, local compact offsets, context paths, segment tree and schedule."""

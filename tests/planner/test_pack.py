@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.pack import pack
 from planner.trajectory import Trajectory
@@ -27,11 +28,15 @@ def test_walkthrough_example():
 
 
 @settings(max_examples=200, deadline=None)
-@given(rollout_batches())
-def test_packing_invariants(trajectories):
-    batch = pack(trajectories)
+@given(rollout_batches(), st.booleans())
+def test_packing_invariants(trajectories, share):
+    """The trie's invariants; unshared (the flat expansion), every trajectory is a path of its own in input order."""
+    batch = pack(trajectories, share=share)
     C, S = batch.num_compact, batch.num_semantic
-    assert C == len(brute_force_trie(trajectories))
+    if share:
+        assert C == len(brute_force_trie(trajectories))
+    else:
+        assert C == S and (batch.sem_to_compact == np.arange(S)).all() and (batch.multiplicity == 1).all()
     assert batch.multiplicity.sum() == S and (batch.multiplicity >= 1).all()
     # Each semantic position maps to a row whose ancestor chain spells its prefix, at the right depth.
     for i, t in enumerate(trajectories):

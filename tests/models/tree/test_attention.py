@@ -97,6 +97,41 @@ def test_branch_groups_gradients_equal_dense(trajectories, max_view_rows, seed, 
         assert a.shape == b.shape and (a - b).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_groups_without_ancestors_read_their_rows_in_place(share):
+    """Groups whose branches have no ancestors (every group of a flat expansion; the first trunks of a shared trie)
+    read k and v in place and add their gradients without a scatter: equal to the dense mask (float64, 1e-12), and
+    no view is gathered for them (profiled regions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.ceiling import tree_regions
+    from planner.trajectory import Trajectory
+
+    rng = np.random.default_rng(1)
+    trunk = rng.integers(0, 9, 20)
+    trajectories = [Trajectory(rng.integers(0, 9, 13)), Trajectory(rng.integers(0, 9, 7)),
+                    *(Trajectory(np.concatenate([trunk[:cut], rng.integers(0, 9, 6)])) for cut in (20, 12, 5))]
+    batch = pack(trajectories, share=share)
+    _, layout = segment_order_layout(batch, 0, max_view_rows=24)
+    own = [g.own_rows for g in layout.groups]
+    assert all(own) if not share else (any(own) and not all(own))
+    g = torch.Generator().manual_seed(0)
+    C = batch.num_compact
+    qkv = [torch.randn(C, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)]
+    w = torch.randn(C, 2, 4, dtype=torch.float64, generator=g)
+    res = {}
+    for backend in ("dense", "branch"):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = tree_attention(*qkv, layout, 0.5, backend)
+            res[backend] = (out.detach(), *torch.autograd.grad((out * w).sum(), qkv))
+    for a, b in zip(res["branch"], res["dense"]):
+        assert (a - b).abs().max() < 1e-12
+    gathers = {name: n for name, _, n in tree_regions(prof) if name.startswith("branch view")}
+    gathered = 2 * sum(not o for o in own)  # forward and backward
+    assert gathers.get("branch view gather", 0) == gathered
+    assert gathers.get("branch view scatter-add", 0) == gathered // 2
+
+
 def test_unknown_backend():
     from planner.trajectory import Trajectory
 

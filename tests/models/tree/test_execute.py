@@ -16,11 +16,13 @@ import torch
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.logprobs import naive_compact_logprobs
+from models.microbatch import prepare_microbatch
 from models.moe import load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from planner.calls import plan_calls
+from planner.cost_model import CostModel
 from planner.pack import pack
 from bench.branching import nested_fork_trajectories
 from tests.models.test_recompute import OPTIONS
@@ -141,3 +143,37 @@ def test_tree_logprobs_entropy_and_forward_entry():
     other = TreeLayout.build(batch, plan_calls(batch, 2 * chunk), model.config.linear_attention.conv_size)
     with pytest.raises(ValueError, match=f"chunk_size={chunk}"):
         tree_logprobs(model, other)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_flat_expansion_equals_flat_float64(name):
+    """A microbatch the cost model sends flat (`prepare_microbatch(cost=..., capacity=...)`) is packed unshared,
+    reads its rows of k and v in place, and equals trajectory-wise execution like the trie does; the default cost
+    model keeps the trie, as does an expansion longer than the capacity; the plan's view-row count is the layout's."""
+    rng = np.random.default_rng(3)
+    model = make_model(name, torch.float64)
+    chunk = model.config.linear_attention.chunk_size
+    trajectories = nested_fork_trajectories(rng, chunk, model.config.vocab_size, depth=3)
+    cpu = torch.device("cpu")
+    S = sum(len(t) for t in trajectories)
+    flat_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(flat_per_token=0.0), capacity=S)
+    trie_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(), capacity=S)
+    too_long = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(flat_per_token=0.0),
+                                  capacity=S - 1)
+    assert flat_mb.flat and not trie_mb.flat and not too_long.flat  # an expansion beyond the capacity stays a trie
+    assert flat_mb.num_compact == flat_mb.num_semantic > trie_mb.num_compact
+    assert all(g.own_rows for g in flat_mb.layout.attention.groups)
+    for mb in (flat_mb, trie_mb):
+        assert mb.plan.view_rows(mb.batch.positions) == mb.layout.attention.kv_index.numel()
+
+    lp_t, out = tree_logprobs(model, flat_mb.layout)
+    loss_t, _ = objective(lp_t, out.moe_stats, flat_mb.batch)
+    g_t = grads(model, loss_t)
+    lp_f, stats_f = flat_run(model, trajectories, trie_mb.batch)
+    loss_f, _ = objective(lp_f, stats_f, trie_mb.batch)
+    g_f = grads(model, loss_f)
+    assert (lp_t - lp_f).abs().max().item() <= TOL
+    assert abs(loss_t.item() - loss_f.item()) <= TOL * abs(loss_f.item())
+    for a, b in zip(g_t, g_f):
+        if b is not None:
+            assert (a - b).norm().item() <= TOL * max(b.norm().item(), 1e-30)
