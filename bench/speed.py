@@ -19,9 +19,10 @@ option and mode side by side), the same kernels in every mode
 F/B/Grad time = everything after the microbatch plan except the optimizer (incl. the per-microbatch preparation);
 Core adds Arbor's microbatch planner. Every mode accumulates gradients over all its microbatches; peak memory
 (cuda) is each mode's own. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression
-~1.2). The `auto` mode (when flat and duplicate run) runs each duplicate-plan microbatch as a tree when a linear cost
-model fitted to this run's own measurements predicts that faster than its flat expansion, and packs the
-trajectories of all other microbatches flat like the baseline.
+~1.2). The `auto` mode (when flat and duplicate run) runs the duplicate plan as the RL job's `planner.mode = "auto"`
+does, under a linear cost model fitted to this run's own measurements: each microbatch as its trie, or as its flat
+expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`,
+`models.microbatch.prepare_microbatch`).
 """
 
 from __future__ import annotations
@@ -126,8 +127,11 @@ def flat_step(model, trajectories, device, normalizer) -> None:
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
 
 
-def tree_step(model, trajectories, device, normalizer, backend) -> Microbatch:
-    mb = prepare_microbatch(trajectories, model.config, device)
+def tree_step(model, trajectories, device, normalizer, backend, cost: CostModel | None = None,
+              capacity: int | None = None) -> Microbatch:
+    """One microbatch's forward, loss and backward: its trie, or with `cost` and `capacity` what
+    `prepare_microbatch` chooses (the trie or its flat expansion)."""
+    mb = prepare_microbatch(trajectories, model.config, device, cost=cost, capacity=capacity)
     layout = mb.layout
     out = tree_hidden_states(model, layout, backend)
     lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
@@ -345,32 +349,25 @@ def carry_context_cost(samples, per_compact: float, per_view_row: float) -> floa
 
 
 def run_auto(state: dict, cost: dict, model, args, device) -> dict:
-    """Run each planned microbatch as a tree when `cost` predicts that cheaper than its flat expansion; the
-    trajectories of all other microbatches are pooled and packed flat like the baseline (first fit by raw tokens)."""
+    """The duplicate plan's microbatches as the RL job's auto mode runs them under `cost`: each as its trie or, when
+    `CostModel.runs_flat`, as its flat expansion; an untimed pass first (new shapes), then the fastest pass."""
     trajectories, normalizer = state["trajectories"], state["normalizer"]
     cost_model = CostModel(**cost)
-    choices = [cost_model.prefers_tree(C, views, b.num_semantic)
-               for b, (C, views, _) in zip(state["batches"], state["tree_samples"])]
-    pooled = [i for g, use_tree in zip(state["groups"], choices) if not use_tree for i in g]
-    flat_groups = [[pooled[j] for j in fg] for fg in first_fit_flat([trajectories[i] for i in pooled], args.capacity)]
-    # New flat shapes: one untimed pass first, as for the other modes.
-    totals = []
+    totals, flat = [], 0
     for timed_pass in range(args.warmup + args.repeat):
         model.zero_grad(set_to_none=True)
-        seconds = 0.0
-        for g, use_tree in zip(state["groups"], choices):
-            if use_tree:
-                sub = [trajectories[i] for i in g]
-                seconds += timed(lambda: tree_step(model, sub, device, normalizer, args.attention), device)[0]
-        for fg in flat_groups:
-            sub = [trajectories[i] for i in fg]
-            seconds += timed(lambda: flat_step(model, sub, device, normalizer), device)[0]
+        seconds, flat = 0.0, 0
+        for g in state["groups"]:
+            sub = [trajectories[i] for i in g]
+            dt, mb = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, cost_model,
+                                             args.capacity), device)
+            seconds += dt
+            flat += mb.flat
         if timed_pass >= args.warmup:
             totals.append(seconds)
-    seconds = min(totals)
     model.zero_grad(set_to_none=True)
-    return {"tree_microbatches": int(sum(choices)), "of": len(choices), "flat_microbatches": len(flat_groups),
-            "seconds": seconds}
+    groups = len(state["groups"])
+    return {"tree_microbatches": groups - flat, "of": groups, "flat_microbatches": flat, "seconds": min(totals)}
 
 
 def _cell(value, spec: str) -> str:
@@ -419,7 +416,7 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
         print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
               f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row"
               + (f", carry + {c['carry_per_context_row'] * 1e6:.2f} us/context row" if "carry_per_context_row" in c
-                 else "") + "; auto runs a microbatch as a tree when that is cheaper than its flat expansion")
+                 else "") + "; auto runs a microbatch flat when that is cheaper than its trie and fits the capacity")
     print("attn cmp: how much the full-attention work (query-key pairs) shrinks; it bounds the speedup of the attention"
           " share of the time the way compr bounds the rest")
     print("tree = duplicate mode (HARTS plan); carry x = flat s / carry s; exec/trie = carry's executed rows (own "
