@@ -5,11 +5,14 @@ Two choices use it: whether a planned microbatch runs as a tree or as its flat e
 whether a tree larger than a microbatch is carried across microbatches or split by whole trajectories with its
 shared prefixes duplicated (`prefers_carry`, planner/step_plan.py).
 
-Defaults: `bench.speed`'s fit (`fit_cost_model`, least squares through the origin over every measured microbatch)
-on one H200, ling-3-tiny in bf16 with full-layer recomputation, SWE seed 0 at scale 0.01 plus the low-sharing
-workload, code of commit 30c1685: bench/RESULTS.md, "GPU: compact log-probs accumulate in fp32 inside the GEMM
-(issue 7) — session 5" (flat 63.39 us/token; tree 47.34 us/compact row + 6.20 us/attention-view row). A benchmark
-refits it with `CostModel(**bench.speed.fit_cost_model(states))`.
+Defaults: a least-squares fit through the origin on one H200, ling-3-tiny in bf16 with full-layer recomputation and
+branch attention, SWE seeds 5 and 4 at scale 0.01, capacity 65,536 (bench/RESULTS.md, sessions 8 and 9): the three
+microbatches of seed 5's HARTS plan (5.09, 5.01, 4.00 s), seed 5's carry step (2 microbatches, 9.96 s) and seed
+4's (6 microbatches, 28.72 s) give 72.64 us per compact row + 1.376 us per attention-view row + 6.07 us per carried
+context row, each step within 0.3% of its measurement (`tests/planner/test_cost_model.py`); flat is 80.41 s over
+1,180,320 tokens (seed 5's 27 trajectory-wise microbatches) = 68.13 us per token. So a microbatch whose trie shares
+less than about 8% of its tokens runs faster flat (`runs_flat`). `bench.speed` refits all four for a GPU and model
+(`fit_cost_model`; "cost model: ..."), and a job takes them as `[planner.cost]`.
 """
 
 from __future__ import annotations
@@ -23,20 +26,17 @@ __all__ = ["CostModel"]
 class CostModel:
     """Seconds per unit of work (see the module docstring for where the defaults come from)."""
 
-    flat_per_token: float = 63.39e-6
+    flat_per_token: float = 68.13e-6
     """Flat packed execution: seconds per token."""
-    tree_per_compact: float = 47.34e-6
+    tree_per_compact: float = 72.64e-6
     """Tree execution: seconds per compact row (every layer's per-row work)."""
-    tree_per_view_row: float = 6.20e-6
+    tree_per_view_row: float = 1.376e-6
     """Tree execution: seconds per row of the full-attention branch views (every branch reads its whole path)."""
-    carry_per_context_row: float = 6.20e-6
+    carry_per_context_row: float = 6.07e-6
     """Carry mode: seconds per context row a part reads from earlier microbatches (its keys/values exported once,
     gathered by the consumer, their gradients accumulated and injected into the producer's backward, and held in
-    memory between the two). Set to the cost of a view row, which moves the same keys and values once.
-    `bench.speed` refits it when it runs flat, duplicate and carry with auto mode (`carry_context_cost`). Measured
-    once (bench/RESULTS.md, session 9: SWE seed 5, 31,078 context rows): 12.0 us per context row over a refit of
-    that run's three duplicate microbatches (65.1 us/row, 1.83 us/view row), i.e. 0.37 s of a 9.85 s carry step;
-    at the defaults above the carry step runs 2.9 s faster than its rows and views predict (no context cost)."""
+    memory between the two). `bench.speed` refits it when it runs flat, duplicate and carry with auto mode
+    (`carry_context_cost`)."""
 
     def tree_seconds(self, compact_rows: int, view_rows: int) -> float:
         return self.tree_per_compact * compact_rows + self.tree_per_view_row * view_rows
