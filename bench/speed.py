@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from bench.ceiling import ideal, profiled
+from bench.ceiling import KernelWork, ideal, profiled
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
 from bench.workloads import swe_like_step
@@ -52,6 +52,7 @@ from parallel.replica import prepare_carry_replica
 from planner.carry import plan_carry
 from planner.cost_model import CostModel
 from planner.microbatch import plan_microbatches
+from planner.pack import pack
 from planner.trajectory import Trajectory
 
 #: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
@@ -290,35 +291,43 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         carried = per_mb["carry"][1]
         state["carry_samples"] = [(executed, sum(view_rows(mb) for mb in carried),
                                    sum(mb.layout.attention.context_rows for mb in carried), carry_s)]
-    if args.ceiling and device.type == "cuda" and fbg is not None:
-        row["ceiling"] = measure_ceiling(model, trajectories, flat_groups, groups, per_mb["duplicate"][1], normalizer,
-                                         args.attention, device, fbg)
+    if args.ceiling and device.type == "cuda" and flat_s is not None and ({"duplicate", "carry"} & set(modes)):
+        flat_t = [trajectories[i] for i in max(flat_groups, key=lambda g: sum(len(trajectories[i]) for i in g))]
+        flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
+                             flat_pairs(flat_t))
+        if "duplicate" in modes:
+            group, batch = max(((g, mb.batch) for g, mb in zip(groups, per_mb["duplicate"][1])),
+                               key=lambda gb: gb[1].num_compact)
+            tree_t = [trajectories[i] for i in group]
+            tree_w, _ = profiled(lambda: tree_step(model, tree_t, device, normalizer, args.attention),
+                                 batch.num_compact, tree_pairs(batch))
+            row["ceiling"] = ceiling_of(flat_w, tree_w, fbg)
+        if "carry" in modes:
+            trie = pack(trajectories)
+            carry_w, _ = profiled(lambda: carry_step(model, trajectories, cplan, device, normalizer, runner),
+                                  trie.num_compact, tree_pairs(trie))
+            row["carry_ceiling"] = ceiling_of(flat_w, carry_w, row["carry_speedup"])
+        model.zero_grad(set_to_none=True)
     return row, state
 
 
-def ceiling_line(workload: str, e: dict) -> str:
-    """The console line of `measure_ceiling`'s result."""
-    return (f"{workload}: exact-execution ceiling (bench.ceiling, heaviest flat and tree microbatch): tree kernels "
-            f"{e['tree_kernel_s']:.3f} s against {e['ideal_s']:.3f} s at flat's costs: the tree runs at "
+def ceiling_line(workload: str, e: dict, what: str = "tree") -> str:
+    """The console line of `ceiling_of`'s result for the heaviest tree microbatch (`what` "tree") or the whole carry
+    step ("carry")."""
+    measured = "heaviest flat and tree microbatch" if what == "tree" else "heaviest flat microbatch, whole carry step"
+    return (f"{workload}: exact-execution ceiling (bench.ceiling, {measured}): {what} kernels "
+            f"{e['tree_kernel_s']:.3f} s against {e['ideal_s']:.3f} s at flat's costs: the {what} runs at "
             f"{e['share']:.2f} of its ceiling, whose F/B/Grad speedup is {e['ceiling_speedup']:.2f}x")
 
 
-def measure_ceiling(model, trajectories, flat_groups, groups, mbs: list[Microbatch], normalizer, attention, device,
-                    fbg: float) -> dict:
-    """`bench.ceiling` on the step's heaviest flat and heaviest tree microbatch (`groups` and their prepared `mbs`;
-    each run once more, under the CUDA profiler): how close the tree runs to its exact-execution ceiling (ideal /
-    measured kernel time) and the F/B/Grad speedup it would reach there (the measured one over that share)."""
-    flat_t = [trajectories[i] for i in max(flat_groups, key=lambda g: sum(len(trajectories[i]) for i in g))]
-    group, batch = max(((g, mb.batch) for g, mb in zip(groups, mbs)), key=lambda gb: gb[1].num_compact)
-    tree_t = [trajectories[i] for i in group]
-    flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
-                         flat_pairs(flat_t))
-    tree_w, _ = profiled(lambda: tree_step(model, tree_t, device, normalizer, attention), batch.num_compact,
-                         tree_pairs(batch))
-    model.zero_grad(set_to_none=True)
+def ceiling_of(flat_w: KernelWork, tree_w: KernelWork, speedup: float) -> dict:
+    """How close `tree_w` (a tree microbatch, or a whole carry step) runs to its exact-execution ceiling at the flat
+    microbatch `flat_w`'s costs (`bench.ceiling`: ideal / measured kernel time), and the F/B/Grad speedup it would
+    reach there (the measured `speedup` over that share)."""
     best = ideal(flat_w, tree_w)
     share = best.share_of(tree_w)
-    return {"tree_kernel_s": tree_w.kernel_s, "ideal_s": best.seconds, "share": share, "ceiling_speedup": fbg / share}
+    return {"tree_kernel_s": tree_w.kernel_s, "ideal_s": best.seconds, "share": share,
+            "ceiling_speedup": speedup / share}
 
 
 def fit_cost_model(states: list[dict]) -> dict:
@@ -411,6 +420,8 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
         print(line)
         if "ceiling" in r:
             print(ceiling_line(r["workload"], r["ceiling"]))
+        if "carry_ceiling" in r:
+            print(ceiling_line(r["workload"], r["carry_ceiling"], "carry"))
     c = header["cost_model"]
     if c is not None:
         print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
@@ -467,8 +478,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", type=parse_modes, default=MODES,
                         help="comma-separated modes to time: flat, duplicate (the HARTS plan, reported as tree), carry")
     parser.add_argument("--ceiling", action="store_true",
-                        help="CUDA, with flat and duplicate: profile the heaviest microbatch of each and print the "
-                             "exact-execution ceiling (bench.ceiling)")
+                        help="CUDA, with flat and duplicate or carry: profile the heaviest flat and duplicate "
+                             "microbatch and the whole carry step, and print their exact-execution ceilings "
+                             "(bench.ceiling)")
     parser.add_argument("--no-auto", action="store_true",
                         help="skip the auto pass that follows when flat and duplicate both run")
     parser.add_argument("--carry-resident", type=int, default=1,

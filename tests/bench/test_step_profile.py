@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from bench.ceiling import KernelWork, ideal
-from bench.speed import ceiling_line
+from bench.speed import ceiling_line, ceiling_of
 from bench.step_profile import overhead_line
 
 FLAT = KernelWork(rows=1000, pairs=4e5, kernel_s=3.0, flash_s=1.0)  # 2 ms per 1,000 rows + 2.5 ns per pair
@@ -36,3 +36,15 @@ def test_speed_prints_the_ceiling():
     line = ceiling_line("swe", {"tree_kernel_s": 5.071, "ideal_s": 4.780, "share": share,
                                 "ceiling_speedup": 4.28 / share})
     assert numbers(line) == [5.071, 4.780, 0.94, 4.54]
+
+
+def test_carry_ceiling_is_the_whole_step_against_flat_costs():
+    """This session's H200 numbers: carry's 9.420 s of kernels for 111,505 rows and 3.150e9 pairs against flat's
+    fullest microbatch (64,268 rows, 1.0326e9 pairs, 4.165 s of which flash 1.154 s): ideal 8.74 s, share 0.93."""
+    flat = KernelWork(rows=64_268, pairs=1.0326e9, kernel_s=4.165, flash_s=1.154)
+    carry = KernelWork(rows=111_505, pairs=3.150e9, kernel_s=9.420, flash_s=3.751)
+    e = ceiling_of(flat, carry, 80.41 / 9.96)
+    assert abs(e["ideal_s"] - 8.744) < 5e-3 and abs(e["share"] - 0.928) < 1e-3
+    assert abs(e["ceiling_speedup"] - 80.41 / 9.96 / e["share"]) < 1e-12
+    line = ceiling_line("swe", e, "carry")
+    assert "whole carry step" in line and "the carry runs at 0.93 of its ceiling" in line
