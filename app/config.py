@@ -143,15 +143,15 @@ class PlannerConfig:
     backward) keep their saved activations on the GPU; the others wait in pinned host memory until their backward
     (parallel/host_offload.py). 0 parks every one; larger values trade GPU memory for the copies."""
     cost: CostModel = field(default_factory=CostModel)
-    """`[planner.cost]`: seconds per unit of work (`planner.cost_model.CostModel`: flat_per_token,
-    tree_per_compact, tree_per_view_row, carry_per_context_row), the model "auto" decides with: per tree, carry or
-    duplicate; per microbatch of a HARTS plan, the trie or its flat expansion (trajectory-wise execution, for
-    microbatches that share too little to gain). Defaults: a fit on an H200; `python -m bench.speed` prints the fit
-    for your GPU and model ("cost model: ...")."""
+    """`[planner.cost]`: seconds per unit of work (`planner.cost_model.CostModel`: tree_per_compact,
+    tree_per_view_row, carry_per_context_row, expansion_per_token), the model "auto" decides with: per tree, carry
+    or duplicate; per microbatch of a HARTS plan, the trie or its flat expansion (trajectory-wise, for microbatches
+    that share too little to gain; never while expansion_per_token is unset). Defaults: a fit on an H200;
+    `python -m bench.speed` prints the fit for your GPU and model ("cost model: ...")."""
 
     def __post_init__(self) -> None:
         for name, value in asdict(self.cost).items():
-            if not value >= 0:
+            if value is not None and not value >= 0:
                 raise ConfigError(f"`planner.cost.{name}` must be >= 0 seconds, got {value}")
         if self.capacity < 1:
             raise ConfigError(f"`planner.capacity` must be >= 1, got {self.capacity}")

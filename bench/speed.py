@@ -22,7 +22,8 @@ Core adds Arbor's microbatch planner. Every mode accumulates gradients over all 
 ~1.2). The `auto` mode (when flat and duplicate run) runs the duplicate plan as the RL job's `planner.mode = "auto"`
 does, under a linear cost model fitted to this run's own measurements: each microbatch as its trie, or as its flat
 expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`,
-`models.microbatch.prepare_microbatch`).
+`models.microbatch.prepare_microbatch`). (Until session 9 it packed the other microbatches' trajectories flat
+like the baseline instead: the "auto x" columns of earlier bench/RESULTS.md sections measured that.)
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ def flat_step(model, trajectories, device, normalizer) -> None:
 
 
 def tree_step(model, trajectories, device, normalizer, backend, cost: CostModel | None = None,
-              capacity: int | None = None) -> Microbatch:
-    """One microbatch's forward, loss and backward: its trie, or with `cost` and `capacity` what
-    `prepare_microbatch` chooses (the trie or its flat expansion)."""
-    mb = prepare_microbatch(trajectories, model.config, device, cost=cost, capacity=capacity)
+              capacity: int | None = None, share: bool = True) -> Microbatch:
+    """One microbatch's forward, loss and backward: its trie, with `cost` and `capacity` what `prepare_microbatch`
+    chooses (the trie or its flat expansion), with `share=False` its flat expansion."""
+    mb = prepare_microbatch(trajectories, model.config, device, cost=cost, capacity=capacity, share=share)
     layout = mb.layout
     out = tree_hidden_states(model, layout, backend)
     lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
@@ -269,8 +270,10 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     if "flat" in modes:
         row["flat"] = results["flat"]
         row["flat_tokens_per_s"] = S / flat_s
-        state["flat_samples"] = [(sum(len(trajectories[i]) for i in g), t)
-                                 for g, t in zip(flat_groups, per_mb["flat"][0])]
+    if {"flat", "duplicate"} <= set(modes) and not args.no_auto:
+        row["expansion"] = time_expansion(model, trajectories, flat_groups, per_mb["flat"][0], normalizer, args,
+                                          device)
+        state["expansion_samples"] = [(row["expansion"]["tokens"], row["expansion"]["seconds"])]
     if "duplicate" in modes:
         row.update({
             "tree": results["tree"],
@@ -330,53 +333,76 @@ def ceiling_of(flat_w: KernelWork, tree_w: KernelWork, speedup: float) -> dict:
             "ceiling_speedup": speedup / share}
 
 
+def time_expansion(model, trajectories, flat_groups, flat_times, normalizer, args, device) -> dict:
+    """The heaviest flat microbatch run as a flat expansion through the tree path (`tree_step(share=False)`: what
+    auto mode runs instead of a trie that shares too little), against its own trajectory-wise time `flat_times`;
+    untimed passes first, then the fastest timed pass."""
+    k = max(range(len(flat_groups)), key=lambda i: sum(len(trajectories[j]) for j in flat_groups[i]))
+    sub = [trajectories[j] for j in flat_groups[k]]
+    times = []
+    for timed_pass in range(args.warmup + args.repeat):
+        model.zero_grad(set_to_none=True)
+        dt, _ = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, share=False), device)
+        if timed_pass >= args.warmup:
+            times.append(dt)
+    model.zero_grad(set_to_none=True)
+    return {"tokens": sum(len(t) for t in sub), "seconds": min(times), "flat_seconds": flat_times[k]}
+
+
 def fit_cost_model(states: list[dict]) -> dict:
-    """Seconds per flat token, and per tree compact row and attention-view row, fitted on every measured microbatch
-    of every workload (least squares through the origin; a negative tree coefficient is dropped and refitted); with
-    carry steps measured, also seconds per carried context row (`carry_context_cost`)."""
-    flat = np.array([x for st in states for x in st["flat_samples"]], dtype=float)
+    """`planner.cost_model.CostModel`'s coefficients fitted on every workload's measurements: seconds per tree
+    compact row and attention-view row over the HARTS microbatches (least squares through the origin; a negative
+    coefficient is dropped and the other refitted), per token of a flat expansion (`time_expansion`), and with
+    carry steps that carried context, per context row (`carry_context_cost`)."""
     tree = np.array([x for st in states for x in st["tree_samples"]], dtype=float)
-    per_token = float(flat[:, 1] @ flat[:, 0] / (flat[:, 0] @ flat[:, 0]))
     coef, *_ = np.linalg.lstsq(tree[:, :2], tree[:, 2], rcond=None)
     if coef.min() < 0:
         keep = int(np.argmax(coef))
         coef = np.zeros(2)
         coef[keep] = tree[:, 2] @ tree[:, keep] / (tree[:, keep] @ tree[:, keep])
-    fit = {"flat_per_token": per_token, "tree_per_compact": float(coef[0]), "tree_per_view_row": float(coef[1])}
+    expansion = np.array([x for st in states for x in st["expansion_samples"]], dtype=float)
+    fit = {"tree_per_compact": float(coef[0]), "tree_per_view_row": float(coef[1]),
+           "expansion_per_token": float(expansion[:, 1].sum() / expansion[:, 0].sum())}
     carry = [x for st in states for x in st.get("carry_samples", ())]
-    if carry:
-        fit["carry_per_context_row"] = carry_context_cost(carry, fit["tree_per_compact"], fit["tree_per_view_row"])
+    per_context = carry_context_cost(carry, fit["tree_per_compact"], fit["tree_per_view_row"])
+    if per_context is not None:
+        fit["carry_per_context_row"] = per_context
     return fit
 
 
-def carry_context_cost(samples, per_compact: float, per_view_row: float) -> float:
+def carry_context_cost(samples, per_compact: float, per_view_row: float) -> float | None:
     """Seconds per carried context row: what carry steps (`samples` of (own rows, view rows, context rows,
-    seconds)) took beyond their rows and views at the tree's costs, over their context rows (0 when not more)."""
-    beyond = sum(t - per_compact * c - per_view_row * v for c, v, _, t in samples)
+    seconds)) took beyond their rows and views at the tree's costs, over their context rows (0 when not more);
+    None when they carried no context (nothing to fit)."""
     context = sum(p for _, _, p, _ in samples)
-    return max(beyond, 0.0) / context if context else 0.0
+    if not context:
+        return None
+    beyond = sum(t - per_compact * c - per_view_row * v for c, v, _, t in samples)
+    return max(beyond, 0.0) / context
 
 
 def run_auto(state: dict, cost: dict, model, args, device) -> dict:
-    """The duplicate plan's microbatches as the RL job's auto mode runs them under `cost`: each as its trie or, when
-    `CostModel.runs_flat`, as its flat expansion; an untimed pass first (new shapes), then the fastest pass."""
+    """The HARTS plan's microbatches as the RL job's auto mode runs a HARTS plan under `cost`: each as its trie or,
+    when `CostModel.runs_flat`, as its flat expansion (its preparation, trie included, timed as for the other
+    modes); an untimed pass first (new shapes), then each microbatch's fastest pass."""
     trajectories, normalizer = state["trajectories"], state["normalizer"]
     cost_model = CostModel(**cost)
-    totals, flat = [], 0
+    passes, flat = [], 0
     for timed_pass in range(args.warmup + args.repeat):
         model.zero_grad(set_to_none=True)
-        seconds, flat = 0.0, 0
+        times, flat = [], 0
         for g in state["groups"]:
             sub = [trajectories[i] for i in g]
             dt, mb = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, cost_model,
                                              args.capacity), device)
-            seconds += dt
+            times.append(dt)
             flat += mb.flat
         if timed_pass >= args.warmup:
-            totals.append(seconds)
+            passes.append(times)
     model.zero_grad(set_to_none=True)
     groups = len(state["groups"])
-    return {"tree_microbatches": groups - flat, "of": groups, "flat_microbatches": flat, "seconds": min(totals)}
+    return {"tree_microbatches": groups - flat, "of": groups, "flat_microbatches": flat,
+            "seconds": sum(min(ts) for ts in zip(*passes))}
 
 
 def _cell(value, spec: str) -> str:
@@ -422,9 +448,14 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
             print(ceiling_line(r["workload"], r["ceiling"]))
         if "carry_ceiling" in r:
             print(ceiling_line(r["workload"], r["carry_ceiling"], "carry"))
+        if "expansion" in r:
+            e = r["expansion"]
+            print(f"{r['workload']}: the heaviest flat microbatch ({e['tokens']:,} tokens) as a flat expansion through "
+                  f"the tree path {e['seconds']:.2f} s, trajectory-wise {e['flat_seconds']:.2f} s")
     c = header["cost_model"]
     if c is not None:
-        print(f"cost model: flat {c['flat_per_token'] * 1e6:.2f} us/token; tree {c['tree_per_compact'] * 1e6:.2f} us/"
+        print(f"cost model: flat expansion {c['expansion_per_token'] * 1e6:.2f} us/token; tree "
+              f"{c['tree_per_compact'] * 1e6:.2f} us/"
               f"compact row + {c['tree_per_view_row'] * 1e6:.2f} us/attention-view row"
               + (f", carry + {c['carry_per_context_row'] * 1e6:.2f} us/context row" if "carry_per_context_row" in c
                  else "") + "; auto runs a microbatch flat when that is cheaper than its trie and fits the capacity")

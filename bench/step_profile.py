@@ -33,6 +33,8 @@ import traceback
 import warnings
 
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
 
 from bench.ceiling import KernelWork, ideal, profiled, tree_regions
 from bench.idle import profile_idle
@@ -71,6 +73,13 @@ def sync_sites(fn) -> collections.Counter:
             torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = shown
     return sites
+
+
+def without_annotation_spans(events) -> EventList:
+    """Key averages without the device-side spans of `record_function` regions (`models.tree.regions`), whose "self
+    CUDA" time is the whole region's and would count its kernels twice; host events stay (the regions among them)."""
+    return EventList([e for e in events if e.device_type == DeviceType.CPU or not getattr(e, "is_user_annotation",
+                                                                                          False)])
 
 
 def overhead_line(flat: KernelWork, tree: KernelWork, name: str) -> str:
@@ -166,12 +175,13 @@ def main(argv=None) -> int:
         if regions:
             print(f"{name}: tree execution's own regions (models.tree.regions), device s and calls: "
                   + "; ".join(f"{r} {t:.3f} s / {n}" for r, t, n in regions))
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
-                                        max_name_column_width=60))
+        print(without_annotation_spans(prof.key_averages()).table(
+            sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.json:
             dump[name] = {"wall_s": wall, **dataclasses.asdict(kw), "ops": [
                 {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total, "calls": e.count}
-                for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0
+                for e in without_annotation_spans(prof.key_averages(group_by_input_shape=True))
+                if e.self_device_time_total > 0
             ]}
         model.zero_grad(set_to_none=True)
     for name in measured:

@@ -121,7 +121,7 @@ class Microbatch:
     """The loss inputs under the step's normalisers; None when prepared without them (scoring, benchmarks)."""
     flat: bool = False
     """Run as its flat expansion (`planner.pack.pack(share=False)`: trajectory-wise, nothing shared), because the
-    cost model predicted the trie no faster (`prepare_microbatch`'s `cost`)."""
+    cost model predicted the trie slower (`prepare_microbatch`'s `cost`) or the caller asked for it."""
 
     @property
     def num_compact(self) -> int:
@@ -150,11 +150,12 @@ def prepare_microbatch(
     replay: bool = True,
     cost: CostModel | None = None,
     capacity: int | None = None,
+    share: bool = True,
 ) -> Microbatch:
     """Pack `trajectories` into a trie, plan its tree execution with the model's chunk size and conv width, and
     (with the step's `normalizer`) build its loss inputs. With a `cost` model and the microbatch `capacity`, a trie
-    it predicts no faster than its flat expansion, when that expansion fits the capacity (`CostModel.runs_flat` of
-    its rows, view rows and semantic tokens), is packed unshared instead: the same log-probs, losses and gradients,
+    it predicts slower than its flat expansion, when that expansion fits the capacity (`CostModel.runs_flat` of its
+    rows, view rows and semantic tokens), is packed unshared instead: the same log-probs, losses and gradients,
     trajectory-wise.
 
     Args:
@@ -164,15 +165,16 @@ def prepare_microbatch(
         normalizer: the step's global counts (sum of `trained_counts` over every microbatch of every replica).
         aggregation: how `token_weights` averages the loss.
         replay: linear-attention replay of [a(p), p) for forks inside chunks (HARTS); False only for the ablation.
-        cost, capacity: decide tree or flat execution (both or neither); None: always the trie.
+        cost, capacity: decide tree or flat execution (both or neither); None: the trie.
+        share: False runs the flat expansion whatever `cost` says (benchmarks timing it).
     """
     if (cost is None) != (capacity is None):
         raise ValueError("prepare_microbatch: give `cost` and `capacity` together (the flat expansion must fit)")
-    batch = pack(trajectories)
+    batch = pack(trajectories, share=share)
     plan = plan_calls(batch, model.chunk_size, replay=replay)
-    flat = cost is not None and cost.runs_flat(batch.num_compact, plan.view_rows(batch.positions),
-                                               batch.num_semantic, capacity)
-    if flat:
+    flat = not share or cost is not None and cost.runs_flat(batch.num_compact, plan.view_rows(batch.positions),
+                                                            batch.num_semantic, capacity)
+    if flat and share:
         batch = pack(trajectories, share=False)
         plan = plan_calls(batch, model.chunk_size, replay=replay)
     layout = TreeLayout.build(batch, plan, model.conv_size, device)

@@ -8,11 +8,19 @@ shared prefixes duplicated (`prefers_carry`, planner/step_plan.py).
 Defaults: a least-squares fit through the origin on one H200, ling-3-tiny in bf16 with full-layer recomputation and
 branch attention, SWE seeds 5 and 4 at scale 0.01, capacity 65,536 (bench/RESULTS.md, sessions 8 and 9): the three
 microbatches of seed 5's HARTS plan (5.09, 5.01, 4.00 s), seed 5's carry step (2 microbatches, 9.96 s) and seed
-4's (6 microbatches, 28.72 s) give 72.64 us per compact row + 1.376 us per attention-view row + 6.07 us per carried
-context row, each step within 0.3% of its measurement (`tests/planner/test_cost_model.py`); flat is 80.41 s over
-1,180,320 tokens (seed 5's 27 trajectory-wise microbatches) = 68.13 us per token. So a microbatch whose trie shares
-less than about 8% of its tokens runs faster flat (`runs_flat`). `bench.speed` refits all four for a GPU and model
-(`fit_cost_model`; "cost model: ..."), and a job takes them as `[planner.cost]`.
+4's (6 microbatches, 28.72 s, with every open microbatch resident: 29.54 s at the job's default of 1) give 72.64 us
+per compact row + 1.376 us per attention-view row + 6.07 us per carried context row, each step within 0.3% of its
+measurement (in-sample: 3 coefficients on 5 steps from commits 766f733 and de3af4f; `tests/planner/
+test_cost_model.py`). `bench.speed` refits them per GPU and model (`fit_cost_model`: the tree terms on the HARTS
+microbatches, then the context term on what the carry step takes beyond them) and a job takes them as
+`[planner.cost]`.
+
+A flat expansion (`planner.pack.pack(share=False)`) runs through the tree path with ancestor-free views; its cost
+per token (`expansion_per_token`) has no GPU measurement yet, so by default it is the tree path's cost per row plus
+per view row (each of its rows is one view row): a trie, which has at most as many rows, is then slower only when
+its view rows outnumber its tokens (they equal them when every branch ends at a leaf), so in practice nothing runs
+flat until `bench.speed` has measured an expansion (`expansion_per_token` in its fit). (Trajectory-wise training on the baseline's own
+flat path costs 68.13 us per token here: 80.41 s over 1,180,320 tokens, session 8.)
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ __all__ = ["CostModel"]
 class CostModel:
     """Seconds per unit of work (see the module docstring for where the defaults come from)."""
 
-    flat_per_token: float = 68.13e-6
-    """Flat packed execution: seconds per token."""
+    expansion_per_token: float | None = None
+    """A microbatch run as its flat expansion (through the tree path): seconds per token; None: not measured, taken
+    as `tree_per_compact + tree_per_view_row`."""
     tree_per_compact: float = 72.64e-6
     """Tree execution: seconds per compact row (every layer's per-row work)."""
     tree_per_view_row: float = 1.376e-6
@@ -41,18 +50,20 @@ class CostModel:
     def tree_seconds(self, compact_rows: int, view_rows: int) -> float:
         return self.tree_per_compact * compact_rows + self.tree_per_view_row * view_rows
 
-    def flat_seconds(self, semantic_tokens: int) -> float:
-        return self.flat_per_token * semantic_tokens
-
-    def prefers_tree(self, compact_rows: int, view_rows: int, semantic_tokens: int) -> bool:
-        """Whether a microbatch of `compact_rows` rows whose branch views hold `view_rows` rows, expanding to
-        `semantic_tokens` flat tokens, is predicted at most as slow as a tree as flat."""
-        return self.tree_seconds(compact_rows, view_rows) <= self.flat_seconds(semantic_tokens)
+    def expansion_seconds(self, semantic_tokens: int) -> float:
+        """A microbatch of `semantic_tokens` tokens run as its flat expansion."""
+        per_token = self.expansion_per_token
+        if per_token is None:
+            per_token = self.tree_per_compact + self.tree_per_view_row
+        return per_token * semantic_tokens
 
     def runs_flat(self, compact_rows: int, view_rows: int, semantic_tokens: int, capacity: int) -> bool:
-        """Whether such a microbatch runs as its flat expansion: predicted faster than the trie (`prefers_tree`
-        false) and its `semantic_tokens` rows within the microbatch `capacity` (the memory budget of a microbatch)."""
-        return semantic_tokens <= capacity and not self.prefers_tree(compact_rows, view_rows, semantic_tokens)
+        """Whether a microbatch whose trie has `compact_rows` rows and `view_rows` branch-view rows and whose
+        trajectories hold `semantic_tokens` tokens runs as its flat expansion: the trie shares something, the
+        expansion is predicted strictly faster (`expansion_seconds` < `tree_seconds`; a tie keeps the trie) and its
+        rows fit the microbatch `capacity` (a microbatch's memory budget)."""
+        return (compact_rows < semantic_tokens <= capacity
+                and self.expansion_seconds(semantic_tokens) < self.tree_seconds(compact_rows, view_rows))
 
     def carry_seconds(self, extra_view_rows: int, context_rows: int) -> float:
         """What carrying a tree over its parts adds: view rows of its cuts and the context rows its parts read."""

@@ -14,8 +14,9 @@ backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one gr
 The scatter is `index_put_(accumulate=True)`, not `index_add_`: a trunk row is in every view of its group, and
 index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE microbatch, 25 ms sorted);
 the sorted accumulate sums a row's contributions in one pass in a fixed order, so dk/dv are also deterministic and
-rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: a flat microbatch, trunks
-that start trees) reads its rows of k and v in place and adds their gradients, as flat attention would.
+rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: every group of a flat
+expansion, and a group that happens to hold only tree roots' first branches) reads its rows of k and v in place and
+adds their gradients, as flat attention would.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class BranchGroup:
     rows: their query rows `[start, stop)` (physical order); kv: slice of the layout's `kv_index` with their views;
     cu_q / cu_kv [n+1]: group-local query and view offsets (int32, on the layout's device); max_q, max_kv: longest;
     own_rows: no branch of the group has ancestors, so its views are its query rows in order: the kernels read those
-    rows of k and v in place and their gradients are added to them, with no gather and no scatter-add (a flat
-    microbatch, or the trunks that start trees).
+    rows of k and v in place and their gradients are added to them, with no gather and no scatter-add (every group
+    of a flat expansion).
     """
 
     rows: slice
@@ -58,7 +59,11 @@ class BranchGroup:
 
 def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, device=None) -> list[BranchGroup]:
     """Split branches (queries `cu_q`, views `cu_kv`, both [N+1] on the host) into consecutive groups whose views hold
-    at most `max_view_rows` rows (a longer single view forms a group of its own)."""
+    at most `max_view_rows` rows (a longer single view forms a group of its own).
+
+    The layout's contract (`models.tree.layout`, `models.tree.carry_layout`): branch n's view in `kv_index` is its
+    ancestors, then `arange(cu_q[n], cu_q[n+1])`, its own physical rows; so a group whose view offsets equal its
+    query offsets (no ancestors) has its own query rows as its view (`own_rows`)."""
     groups, n, N = [], 0, cu_q.size - 1
     while n < N:
         m = n + 1

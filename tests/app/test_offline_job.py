@@ -389,7 +389,7 @@ def test_microbatches_the_cost_model_sends_flat_train_like_the_trie(tmp_path):
     # One tree a step (25-29 trie rows, 78-84 tokens): its expansion fits 90 rows.
     args = [*FLOAT64, "--train.steps=3", "--train.trees_per_step=1", "--planner.capacity=90"]
     assert main([str(a), *args]) == 0
-    assert main([str(b), *args, "--planner.cost.flat_per_token=0"]) == 0
+    assert main([str(b), *args, "--planner.cost.expansion_per_token=0"]) == 0
     flat = {name: [e.value for e in events(tmp_path / name).Scalars("train/flat_microbatches")] for name in "ab"}
     rows = {name: [e.value for e in events(tmp_path / name).Scalars("train/compact_tokens")] for name in "ab"}
     tokens = [e.value for e in events(tmp_path / "b").Scalars("train/semantic_tokens")]

@@ -28,8 +28,10 @@ def test_speed_runs_and_reports(tmp_path, capsys):
         assert w["carry"]["executed_rows"] == w["carry"]["trie_rows"] == w["compact_tokens"]
         assert w["carry_speedup"] == w["flat"]["seconds"] / w["carry"]["seconds"]
     (cost,) = r["header"]["cost_model"]  # one per --recompute option
-    assert set(cost) == {"flat_per_token", "tree_per_compact", "tree_per_view_row", "carry_per_context_row"}
-    assert cost["carry_per_context_row"] == 0.0  # no tree outgrew a microbatch: no context rows were carried
+    assert set(cost) == {"expansion_per_token", "tree_per_compact", "tree_per_view_row"}  # no context carried
+    for w in (swe, low):
+        assert w["expansion"]["seconds"] > 0 and w["expansion"]["tokens"] <= 4096
+    assert "as a flat expansion through the tree path" in printed
 
 
 def test_carry_context_cost_is_the_time_beyond_rows_and_views():
@@ -39,7 +41,7 @@ def test_carry_context_cost_is_the_time_beyond_rows_and_views():
     beyond = 9.85 - (65.1e-6 * 111_505 + 1.83e-6 * 1_211_398)
     assert carry_context_cost(samples, 65.1e-6, 1.83e-6) == pytest.approx(beyond / 31_078)
     assert carry_context_cost(samples, 80e-6, 1.83e-6) == 0.0  # faster than its rows predict: no cost, never negative
-    assert carry_context_cost([(10, 20, 0, 1.0)], 0.0, 0.0) == 0.0
+    assert carry_context_cost([(10, 20, 0, 1.0)], 0.0, 0.0) is None  # no context rows: nothing to fit
 
 
 def test_modes_and_carry_splitting_a_tree(tmp_path, capsys):

@@ -48,3 +48,18 @@ def test_carry_ceiling_is_the_whole_step_against_flat_costs():
     assert abs(e["ceiling_speedup"] - 80.41 / 9.96 / e["share"]) < 1e-12
     line = ceiling_line("swe", e, "carry")
     assert "whole carry step" in line and "the carry runs at 0.93 of its ceiling" in line
+
+
+def test_the_kernel_table_leaves_out_device_spans_of_regions():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.step_profile import without_annotation_spans
+
+    events = [SimpleNamespace(key="arbor: branch view gather", device_type=DeviceType.CPU, is_user_annotation=True),
+              SimpleNamespace(key="arbor: branch view gather", device_type=DeviceType.CUDA, is_user_annotation=True),
+              SimpleNamespace(key="flash_fwd_kernel", device_type=DeviceType.CUDA, is_user_annotation=False)]
+    kept = without_annotation_spans(events)
+    assert [(e.key, e.device_type) for e in kept] == [("arbor: branch view gather", DeviceType.CPU),
+                                                      ("flash_fwd_kernel", DeviceType.CUDA)]

@@ -156,9 +156,9 @@ def test_flat_expansion_equals_flat_float64(name):
     trajectories = nested_fork_trajectories(rng, chunk, model.config.vocab_size, depth=3)
     cpu = torch.device("cpu")
     S = sum(len(t) for t in trajectories)
-    flat_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(flat_per_token=0.0), capacity=S)
+    flat_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(expansion_per_token=0.0), capacity=S)
     trie_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(), capacity=S)
-    too_long = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(flat_per_token=0.0),
+    too_long = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(expansion_per_token=0.0),
                                   capacity=S - 1)
     assert flat_mb.flat and not trie_mb.flat and not too_long.flat  # an expansion beyond the capacity stays a trie
     assert flat_mb.num_compact == flat_mb.num_semantic > trie_mb.num_compact
