@@ -27,6 +27,13 @@ def segment_order_layout(batch, seed, max_view_rows=None):
     return phys, build_attention_layout(batch, phys, inverse_permutation(phys), cu, max_view_rows=max_view_rows)
 
 
+def random_qkv(C: int, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """float64 q, k, v `[C, 2, 4]` that require grad, and an output weight `[C, 2, 4]`."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(C, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)]
+    return qkv, torch.randn(C, 2, 4, dtype=torch.float64, generator=g)
+
+
 def flat_attention(q, k, v, scale):
     L, H = q.shape[:2]
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
@@ -58,10 +65,7 @@ def test_gradients_accumulate_into_shared_rows():
 
     batch = pack([Trajectory([1, 2, 3, 4]), Trajectory([1, 2, 5, 6, 7]), Trajectory([1, 8])])
     phys, layout = segment_order_layout(batch, 0)
-    g = torch.Generator().manual_seed(0)
-    C = batch.num_compact
-    qkv = [torch.randn(C, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)]
-    w = torch.randn(C, 2, 4, dtype=torch.float64, generator=g)
+    qkv, w = random_qkv(batch.num_compact)
     grads = {}
     # FlexAttention has no CPU backward (torch 2.13); its gradients are checked on CUDA by bench.fidelity.
     for backend in ("dense", "branch"):
@@ -115,10 +119,7 @@ def test_groups_without_ancestors_read_their_rows_in_place(share):
     _, layout = segment_order_layout(batch, 0, max_view_rows=24)
     own = [g.own_rows for g in layout.groups]
     assert all(own) if not share else (any(own) and not all(own))
-    g = torch.Generator().manual_seed(0)
-    C = batch.num_compact
-    qkv = [torch.randn(C, 2, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)]
-    w = torch.randn(C, 2, 4, dtype=torch.float64, generator=g)
+    qkv, w = random_qkv(batch.num_compact)
     res = {}
     for backend in ("dense", "branch"):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
