@@ -513,7 +513,8 @@ def main(argv=None) -> int:
                              "microbatch and the whole carry step, and print their exact-execution ceilings "
                              "(bench.ceiling)")
     parser.add_argument("--no-auto", action="store_true",
-                        help="skip the auto pass that follows when flat and duplicate both run")
+                        help="skip what follows when flat and duplicate both run: timing the heaviest flat "
+                             "microbatch as a flat expansion, the cost-model fit and the auto pass")
     parser.add_argument("--carry-resident", type=int, default=1,
                         help="carry: open microbatches whose activations stay on the GPU (planner.carry_resident)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes over all microbatches per mode")

@@ -36,7 +36,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList
 
-from bench.ceiling import KernelWork, ideal, profiled, tree_regions
+from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regions
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import (
@@ -76,10 +76,10 @@ def sync_sites(fn) -> collections.Counter:
 
 
 def without_annotation_spans(events) -> EventList:
-    """Key averages without the device-side spans of `record_function` regions (`models.tree.regions`), whose "self
-    CUDA" time is the whole region's and would count its kernels twice; host events stay (the regions among them)."""
-    return EventList([e for e in events if e.device_type == DeviceType.CPU or not getattr(e, "is_user_annotation",
-                                                                                          False)])
+    """Key averages of host events and device work (`bench.ceiling.is_device_work`): without the device-side spans
+    of `record_function` regions (`models.tree.regions`), whose "self CUDA" time is the whole region's and would count
+    its kernels twice, nor CUPTI's "Command Buffer Full" records."""
+    return EventList([e for e in events if e.device_type == DeviceType.CPU or is_device_work(e)])
 
 
 def overhead_line(flat: KernelWork, tree: KernelWork, name: str) -> str:
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
             sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.json:
             dump[name] = {"wall_s": wall, **dataclasses.asdict(kw), "ops": [
-                {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total, "calls": e.count}
+                {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total,
+                 "calls": e.count}
                 for e in without_annotation_spans(prof.key_averages(group_by_input_shape=True))
                 if e.self_device_time_total > 0
             ]}

@@ -10,16 +10,17 @@ branch attention, SWE seeds 5 and 4 at scale 0.01, capacity 65,536 (bench/RESULT
 microbatches of seed 5's HARTS plan (5.09, 5.01, 4.00 s), seed 5's carry step (2 microbatches, 9.96 s) and seed
 4's (6 microbatches, 28.72 s, with every open microbatch resident: 29.54 s at the job's default of 1) give 72.64 us
 per compact row + 1.376 us per attention-view row + 6.07 us per carried context row, each step within 0.3% of its
-measurement (in-sample: 3 coefficients on 5 steps from commits 766f733 and de3af4f; `tests/planner/
-test_cost_model.py`). `bench.speed` refits them per GPU and model (`fit_cost_model`: the tree terms on the HARTS
-microbatches, then the context term on what the carry step takes beyond them) and a job takes them as
-`[planner.cost]`.
+measurement (a joint fit, in-sample: 3 coefficients on 5 steps from commits 766f733 and de3af4f;
+`tests/planner/test_cost_model.py`). `bench.speed` refits them per GPU and model (`fit_cost_model`: the tree terms
+on the HARTS microbatches, then the context term on what the carry step takes beyond them, which on these five
+gives 73.13, 1.303 and 6.55 us) and a job takes them as `[planner.cost]`.
 
 A flat expansion (`planner.pack.pack(share=False)`) runs through the tree path with ancestor-free views; its cost
 per token (`expansion_per_token`) has no GPU measurement yet, so by default it is the tree path's cost per row plus
 per view row (each of its rows is one view row): a trie, which has at most as many rows, is then slower only when
-its view rows outnumber its tokens (they equal them when every branch ends at a leaf), so in practice nothing runs
-flat until `bench.speed` has measured an expansion (`expansion_per_token` in its fit). (Trajectory-wise training on the baseline's own
+its view rows outnumber its tokens, and with replay they never do (every sequence ends at a leaf, so its view rows
+sum the leaf trajectories' lengths): nothing runs flat until `bench.speed` has measured an expansion
+(`expansion_per_token` in its fit). (Trajectory-wise training on the baseline's own
 flat path costs 68.13 us per token here: 80.41 s over 1,180,320 tokens, session 8.)
 """
 
@@ -44,8 +45,8 @@ class CostModel:
     carry_per_context_row: float = 6.07e-6
     """Carry mode: seconds per context row a part reads from earlier microbatches (its keys/values exported once,
     gathered by the consumer, their gradients accumulated and injected into the producer's backward, and held in
-    memory between the two). `bench.speed` refits it when it runs flat, duplicate and carry with auto mode
-    (`carry_context_cost`)."""
+    memory between the two). `bench.speed` refits it when it runs flat, duplicate and carry with auto mode and the
+    carry step carried context (`carry_context_cost`)."""
 
     def tree_seconds(self, compact_rows: int, view_rows: int) -> float:
         return self.tree_per_compact * compact_rows + self.tree_per_view_row * view_rows

@@ -18,7 +18,8 @@ def test_an_unmeasured_expansion_costs_what_the_tree_path_costs_per_row_and_view
     cost = CostModel()
     assert cost.expansion_per_token is None
     assert cost.expansion_seconds(100) == 100 * (cost.tree_per_compact + cost.tree_per_view_row)
-    # A trie sharing 1% of its tokens, its view rows its tokens: kept; views beyond the tokens could flip it.
+    # A trie sharing 1% of its tokens, its view rows its tokens: kept. Twice as many view rows as tokens would flip
+    # it (a shape replay never makes: its sequences end at leaves).
     assert not cost.runs_flat(99, 100, 100, 1000) and cost.runs_flat(99, 200, 100, 1000)
 
 
