@@ -103,6 +103,11 @@ def first_fit_flat(trajectories, capacity: int) -> list[list[int]]:
     return batches
 
 
+def heaviest(groups: list[list[int]], trajectories) -> int:
+    """Index of the group (of trajectory indices) holding the most tokens: the baseline's fullest flat microbatch."""
+    return max(range(len(groups)), key=lambda k: sum(len(trajectories[i]) for i in groups[k]))
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -264,7 +269,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
             "attention_view_rows": sum(view_rows(mb) for mb in mbs),
             "planning_seconds": plan_seconds,
         })
-        state.update({"groups": groups, "batches": batches,
+        state.update({"groups": groups,
                       "tree_samples": [(mb.batch.num_compact, view_rows(mb), t)
                                        for mb, t in zip(mbs, per_mb["duplicate"][0])]})
     if "flat" in modes:
@@ -295,7 +300,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         state["carry_samples"] = [(executed, sum(view_rows(mb) for mb in carried),
                                    sum(mb.layout.attention.context_rows for mb in carried), carry_s)]
     if args.ceiling and device.type == "cuda" and flat_s is not None and ({"duplicate", "carry"} & set(modes)):
-        flat_t = [trajectories[i] for i in max(flat_groups, key=lambda g: sum(len(trajectories[i]) for i in g))]
+        flat_t = [trajectories[i] for i in flat_groups[heaviest(flat_groups, trajectories)]]
         flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
                              flat_pairs(flat_t))
         if "duplicate" in modes:
@@ -337,7 +342,7 @@ def time_expansion(model, trajectories, flat_groups, flat_times, normalizer, arg
     """The heaviest flat microbatch run as a flat expansion through the tree path (`tree_step(share=False)`: what
     auto mode runs instead of a trie that shares too little), against its own trajectory-wise time `flat_times`;
     untimed passes first, then the fastest timed pass."""
-    k = max(range(len(flat_groups)), key=lambda i: sum(len(trajectories[j]) for j in flat_groups[i]))
+    k = heaviest(flat_groups, trajectories)
     sub = [trajectories[j] for j in flat_groups[k]]
     times = []
     for timed_pass in range(args.warmup + args.repeat):

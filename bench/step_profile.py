@@ -40,7 +40,7 @@ from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regi
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import (
-    carry_step, first_fit_flat, flat_pairs, flat_step, recompute_option, sync, tree_pairs, tree_step,
+    carry_step, first_fit_flat, flat_pairs, flat_step, heaviest, recompute_option, sync, tree_pairs, tree_step,
 )
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         model = HybridForCausalLM(config)
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     trajs = swe_like_step(args.seed, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
-    flat = max(first_fit_flat(trajs, args.capacity), key=lambda g: sum(len(trajs[i]) for i in g))
+    flat_groups = first_fit_flat(trajs, args.capacity)
+    flat = flat_groups[heaviest(flat_groups, trajs)]
     flat_trajs = [trajs[i] for i in flat]
     groups = [[trajs[i] for i in mb.trajectories] for mb in plan_microbatches(trajs, args.capacity, 1).microbatches]
     tree_trajs = groups[0]
