@@ -22,6 +22,7 @@ from models.linear_attention import CoreInputs, LinearAttention, l2norm
 from models.norms import GatedRMSNorm
 from models.ops import kda_core
 from models.ops.gate import kda_decay
+from models.ops.kda.round import fla_kda_round
 
 
 @dataclass
@@ -76,6 +77,7 @@ class KimiDeltaAttention(LinearAttention):
         self.o_proj = nn.Linear(HK, hidden_size, bias=False)
 
     core_op = staticmethod(kda_core)
+    round_op = staticmethod(fla_kda_round)
 
     def project(self, x_TD: torch.Tensor) -> KDARows:
         """Step 1 (per row): x `[T, D]` -> `KDARows`."""

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from models.dtypes import upcast
 from models.ops import short_conv
+from models.ops.dispatch import use_fla
+
+if TYPE_CHECKING:
+    from models.tree.layout import CoreRound
 
 
 @dataclass
@@ -55,6 +60,8 @@ class LinearAttention(nn.Module):
 
     core_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
+    round_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Fast path of `core_round` where fla runs (`models.ops.kda.round.fla_kda_round`); None: call by call."""
 
     def __init__(self, conv_channels: int, conv_size: int, chunk_size: int):
         super().__init__()
@@ -108,6 +115,30 @@ class LinearAttention(nn.Module):
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=self.chunk_size,
         )
         return o[0], final
+
+    def core_round(
+        self, inputs: CoreInputs, rnd: CoreRound, initial_state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 4 for one round of tree execution: its kernel calls in order, piece j > 0 of a sequence starting
+        from the final state of its piece j-1 (`models.tree.layout.CoreRound`).
+
+        Args:
+            inputs: the round's rows, call after call.
+            initial_state: `[N, HV, K, V]` fp32 state of each of the round's sequences (differentiable), None = zeros.
+        Returns: (o `[T, HV, V]`, the final state of every piece `[P, HV, K, V]`, call after call).
+        This call-by-call loop is the reference of `round_op`.
+        """
+        if self.round_op is not None and use_fla(inputs.v):
+            return self.round_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, rnd, initial_state,
+                                 self.chunk_size)
+        pieces = [t.split(rnd.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
+        outputs, finals = [], []
+        for j, call in enumerate(rnd.calls):
+            h0 = initial_state if j == 0 else finals[-1] if call.previous is None else finals[-1][call.previous]
+            o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu, h0, True)
+            outputs.append(o)
+            finals.append(final.to(upcast(inputs.v.dtype)))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0], torch.cat(finals)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Flat packed forward from zero states: steps 1-5."""

@@ -137,7 +137,7 @@ class Microbatch:
     def linear_attention_calls(self) -> int:
         """Packed linear-attention kernel calls per layer (the plan's rounds, split where a round exports states
         from inside a sequence: `models.tree.core_calls`)."""
-        return len(self.layout.linear_calls)
+        return self.layout.linear_attention_calls
 
 
 def prepare_microbatch(

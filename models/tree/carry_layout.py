@@ -113,7 +113,7 @@ class CarryLayout:
     @property
     def linear_attention_calls(self) -> int:
         """Packed linear-attention kernel calls per layer."""
-        return len(self.layout.linear_calls)
+        return self.layout.linear_attention_calls
 
     @property
     def flat(self) -> bool:

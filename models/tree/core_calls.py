@@ -35,20 +35,25 @@ class CoreCall:
     cu_seqlens [N_k+1]: piece boundaries in `gather`.
     init_state [N_k]: table index of each piece's initial state (0 = zeros).
     output_pos [O_k]: positions in `gather` whose outputs are kept (non-replay rows).
+    round: the plan round the call belongs to; sequence [N_k]: the round's sequence of each piece. Call j of a round
+    packs piece j of its sequences, so a call's sequences are a subset of the previous call's, each starting from
+    the final state of its piece there.
     """
 
     gather: np.ndarray
     cu_seqlens: np.ndarray
     init_state: np.ndarray
     output_pos: np.ndarray
+    round: int
+    sequence: np.ndarray
 
     @property
     def num_sequences(self) -> int:
         return int(self.cu_seqlens.size - 1)
 
 
-def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], state_base: int, table_size: int):
-    """Split one round; returns its calls and the new table size, and fills `table_of_global` for the round's
+def _round_calls(rd: RoundPlan, r: int, chunk: int, table_of_global: dict[int, int], state_base: int, table_size: int):
+    """Split round r; returns its calls and the new table size, and fills `table_of_global` for the round's
     requested states (global numbers state_base + r)."""
     cu = rd.cu_seqlens
     n_seq = cu.size - 1
@@ -77,6 +82,8 @@ def _round_calls(rd: RoundPlan, chunk: int, table_of_global: dict[int, int], sta
                 cu_seqlens=offsets([p.size for p in pieces]),
                 init_state=np.array([state_at[s][edges[s][j] // chunk] for s in seqs], dtype=np.int64),
                 output_pos=np.flatnonzero(out).astype(np.int64),
+                round=r,
+                sequence=np.asarray(seqs, dtype=np.int64),
             )
         )
         for n, s in enumerate(seqs):
@@ -102,7 +109,7 @@ def core_calls_and_exports(plan: ExecutionPlan) -> tuple[list[CoreCall], np.ndar
     calls: list[CoreCall] = []
     for r, rd in enumerate(plan.rounds):
         round_calls, table_size = _round_calls(
-            rd, plan.chunk_size, table_of_global, int(plan.state_offsets[r]), table_size
+            rd, r, plan.chunk_size, table_of_global, int(plan.state_offsets[r]), table_size
         )
         calls.extend(round_calls)
     C = plan.physical_to_compact.size

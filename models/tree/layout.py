@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
@@ -18,7 +19,7 @@ from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
-__all__ = ["CoreCallTensors", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows",
+__all__ = ["CoreCallTensors", "CoreRound", "TreeLayout", "core_rounds", "ancestor_rows", "build_attention_layout", "conv_context_rows",
            "row_reader"]
 
 
@@ -114,15 +115,84 @@ class CoreCallTensors:
     """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
+    previous: torch.Tensor | None
+    """[N_k] where each piece's sequence is among the previous call's of its round (whose final state it starts
+    from); None when it is the first call of its round, or continues every sequence of the previous one."""
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    """fla's chunk bookkeeping of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
 
     @staticmethod
-    def build(call: CoreCall, device) -> "CoreCallTensors":
+    def build(call: CoreCall, previous: CoreCall | None, chunk_size: int, device) -> "CoreCallTensors":
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
+        indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
+        continues = previous is None or np.array_equal(previous.sequence, call.sequence)
         return CoreCallTensors(
             cu_seqlens=cu.to(device),
             cu_seqlens_cpu=cu,
             init_state=None if not call.init_state.any() else tuple(call.init_state.tolist()),
+            previous=None if continues else torch.as_tensor(
+                np.searchsorted(previous.sequence, call.sequence), dtype=torch.int64, device=device),
+            chunk_indices=torch.as_tensor(indices, device=device),
+            chunk_offsets=torch.as_tensor(first, device=device),
         )
+
+
+@dataclass
+class CoreRound:
+    """One round of the plan as its kernel calls (`models.tree.core_calls`): call j packs piece j of the round's
+    sequences that have one; piece j > 0 starts from the final state of the same sequence's piece j-1.
+
+    calls: the round's calls in order; call_rows: their input rows (consecutive in `TreeLayout.linear_gather`).
+    cu_seqlens, chunk_indices, chunk_offsets: every piece of every call as one packed sequence each, on the device,
+    with fla's chunk bookkeeping: what kernels that work chunk by chunk need to run once over the whole round
+    (`models.ops.kda.round`).
+    """
+
+    calls: list[CoreCallTensors]
+    call_rows: list[int]
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_size: int
+
+    @property
+    def row_bounds(self) -> list[int]:
+        """[m+1] where each call's rows start in the round's, and their end."""
+        return np.concatenate([[0], np.cumsum(self.call_rows)]).tolist()
+
+    @property
+    def final_bounds(self) -> list[int]:
+        """[m+1] where each call's final states start among the round's, and their end."""
+        return np.concatenate([[0], np.cumsum([c.cu_seqlens_cpu.numel() - 1 for c in self.calls])]).tolist()
+
+    @property
+    def init_state(self) -> tuple[int, ...] | None:
+        """State-table index of each sequence's initial state (its first piece's); None: all zeros."""
+        return self.calls[0].init_state
+
+    @staticmethod
+    def build(calls: list[CoreCall], chunk_size: int, device) -> "CoreRound":
+        """From the consecutive calls of one round."""
+        for prev, call in zip(calls, calls[1:]):
+            pos = np.searchsorted(prev.sequence, call.sequence)
+            assert np.isin(call.sequence, prev.sequence).all() and np.unique(call.init_state - pos).size == 1, \
+                "each piece of a later call starts from its sequence's final state in the previous call"
+        rows = [int(c.gather.size) for c in calls]
+        cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
+        indices, first = fla_chunk_arrays(cu, chunk_size)
+        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
+        return CoreRound(
+            calls=[CoreCallTensors.build(c, p, chunk_size, device) for p, c in zip([None, *calls], calls)],
+            call_rows=rows, cu_seqlens=as_t(cu), chunk_indices=as_t(indices), chunk_offsets=as_t(first),
+            chunk_size=chunk_size,
+        )
+
+
+def core_rounds(calls: list[CoreCall], chunk_size: int, device) -> list[CoreRound]:
+    """The calls (in order, `models.tree.core_calls.core_calls`) grouped by round."""
+    bounds = [0, *(i for i in range(1, len(calls)) if calls[i].round != calls[i - 1].round), len(calls)]
+    return [CoreRound.build(calls[a:b], chunk_size, device) for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass
@@ -134,9 +204,9 @@ class TreeLayout:
     row_weight [C]: multiplicity q of each row (MoE statistics weights).
     seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
     conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
-    linear_calls: the linear-attention kernel calls in order.
-    linear_gather, linear_call_rows: the physical rows fed to all calls, call after call (None: all rows in order;
-        a slice when contiguous), and each call's number of them: one gather and one split per input, so backward
+    linear_rounds: the linear-attention kernel calls in order, by round.
+    linear_gather, linear_round_rows: the physical rows fed to all calls, call after call (None: all rows in order;
+        a slice when contiguous), and each round's number of them: one gather and one split per input, so backward
         handles each input's gradient once instead of once per call.
     linear_keep: the position of each physical row's output among the calls' concatenated outputs (replay outputs
         are dropped; None when that is all of them in order).
@@ -149,14 +219,19 @@ class TreeLayout:
     row_weight: torch.Tensor
     seq_cu: torch.Tensor
     conv_context: torch.Tensor
-    linear_calls: list[CoreCallTensors]
+    linear_rounds: list[CoreRound]
     linear_gather: RowGather | slice | None
-    linear_call_rows: list[int]
+    linear_round_rows: list[int]
     linear_keep: RowGather | slice | None
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
     target: torch.Tensor
     chunk_size: int
+
+    @property
+    def linear_attention_calls(self) -> int:
+        """Packed linear-attention kernel calls per layer."""
+        return sum(len(r.calls) for r in self.linear_rounds)
 
     @staticmethod
     def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
@@ -184,15 +259,16 @@ class TreeLayout:
         calls, keep = calls
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         gather = np.concatenate([c.gather for c in calls])
+        rounds = core_rounds(calls, plan.chunk_size, device)
         return TreeLayout(
             tokens=as_t(tokens),
             positions=as_t(positions),
             row_weight=torch.as_tensor(multiplicity, dtype=torch.float64, device=device),
             seq_cu=as_t(plan.seq_row_offsets),
             conv_context=as_t(conv_context),
-            linear_calls=[CoreCallTensors.build(c, device) for c in calls],
+            linear_rounds=rounds,
             linear_gather=row_reader(gather, tokens.size + carried_replay_rows, device),
-            linear_call_rows=[int(c.gather.size) for c in calls],
+            linear_round_rows=[sum(r.call_rows) for r in rounds],
             linear_keep=row_reader(keep, gather.size, device),
             attention=attention,
             logit_row=as_t(logit_row),

@@ -45,10 +45,11 @@ def read_rows(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
 
 
 def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
-    """Run the core as the layout's kernel calls; returns o [C, HV, V] in physical order (replay outputs dropped).
+    """Run the core as the layout's kernel calls, round by round (`LinearAttention.core_round`); returns o [C, HV, V]
+    in physical order (replay outputs dropped).
 
-    Each call's pieces start from states of the table (zeros, then every call's final states in order, see
-    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A call
+    Each round's sequences start from states of the table (zeros, then every call's final states in order, see
+    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A round
     stacks only the states it starts from (concatenating the whole table per call would copy it 14 times a layer on
     a SWE tree)."""
     return linear_attention_states(mixer, inputs, layout)[0]
@@ -68,14 +69,13 @@ def linear_attention_states(
     if outside is not None:
         table.extend(outside.unbind(0))
     outputs = []
-    pieces = [read_rows(t, layout.linear_gather).split(layout.linear_call_rows)
+    pieces = [read_rows(t, layout.linear_gather).split(layout.linear_round_rows)
               for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
-    for i, call in enumerate(layout.linear_calls):
-        h0 = None if call.init_state is None else torch.stack([table[s] for s in call.init_state])
-        gathered = CoreInputs(*(p[i] for p in pieces))
-        o, final = mixer.core(gathered, call.cu_seqlens, call.cu_seqlens_cpu, initial_state=h0, output_final_state=True)
+    for i, rnd in enumerate(layout.linear_rounds):
+        h0 = None if rnd.init_state is None else torch.stack([table[s] for s in rnd.init_state])
+        o, finals = mixer.core_round(CoreInputs(*(p[i] for p in pieces)), rnd, h0)
         outputs.append(o)
-        table.extend(final.to(state_dtype).unbind(0))
+        table.extend(finals.to(state_dtype).unbind(0))
     o = read_rows(torch.cat(outputs) if len(outputs) > 1 else outputs[0], layout.linear_keep)
     return o, torch.stack([table[i] for i in exported]) if exported else None
 

@@ -1,5 +1,6 @@
 """The arguments our fla fast paths (`models.ops.kda.chunk`, `models.ops.gdn.chunk`) pass to fla's chunk ops."""
 
+import numpy as np
 import torch
 
 from models.ops.delta_rule.partition import check_delta_rule_shapes
@@ -38,3 +39,13 @@ def fla_delta_rule_kwargs(
         cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_size=chunk_size,
     )
+
+
+def fla_chunk_arrays(cu_seqlens: np.ndarray, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """fla's varlen chunk bookkeeping computed on the host, so a kernel call needs no host synchronisation:
+    `prepare_chunk_indices` `[NT, 2]` (sequence, chunk within it) and `prepare_chunk_offsets` `[N+1]` (each
+    sequence's first chunk), both int64 like the `cu_seqlens` [N+1] they come from."""
+    counts = -(-np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // chunk_size)
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    seq = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    return np.stack([seq, np.arange(seq.size, dtype=np.int64) - first[seq]], axis=1), first

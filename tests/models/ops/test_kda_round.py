@@ -1,0 +1,88 @@
+"""The fla round op of KDA (`models.ops.kda.round`) against its reference, the call-by-call loop of
+`LinearAttention.core_round` on fla's `chunk_kda`: outputs, every piece's final state and every gradient, bitwise
+(CUDA only). On the host: fla's chunk bookkeeping computed without fla (`fla_chunk_arrays`)."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.config import KDAConfig
+from models.kda import KimiDeltaAttention
+from models.linear_attention import CoreInputs
+from models.ops.delta_rule.fla_args import fla_chunk_arrays
+from models.tree.core_calls import CoreCall
+from models.tree.layout import CoreRound
+from planner.index_arrays import offsets
+from tests.models.ops.delta_rule_cases import make_inputs
+
+B = 64
+# A round of three sequences: 333 rows cut at chunks 2 and 4, 192 rows cut at chunk 1, 40 rows uncut.
+PIECES = [[(0, 128), (128, 256), (256, 333)], [(0, 64), (64, 192)], [(0, 40)]]
+
+
+def round_calls() -> list[CoreCall]:
+    """Call j packs piece j of each sequence; rows numbered sequence after sequence, table indices as in
+    `models.tree.core_calls` (call 0 from entries 1..3, later calls from the previous call's finals)."""
+    starts = offsets([p[-1][1] for p in PIECES])[:-1]
+    calls, table = [], 4
+    for j in range(max(len(p) for p in PIECES)):
+        seqs = [s for s, p in enumerate(PIECES) if len(p) > j]
+        rows = [np.arange(starts[s] + PIECES[s][j][0], starts[s] + PIECES[s][j][1]) for s in seqs]
+        if j == 0:
+            init = np.array([1, 2, 3])
+        else:
+            prev = [s for s, p in enumerate(PIECES) if len(p) > j - 1]
+            init = table - len(prev) + np.searchsorted(prev, seqs)
+        gather = np.concatenate(rows)
+        calls.append(CoreCall(gather=gather, cu_seqlens=offsets([r.size for r in rows]), init_state=init,
+                              output_pos=np.arange(gather.size), round=0, sequence=np.array(seqs)))
+        table += len(seqs)
+    return calls
+
+
+def test_fla_chunk_arrays_are_fla_bookkeeping():
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+    cu = np.array([0, 1, 64, 200, 201, 333, 397])
+    indices, first = fla_chunk_arrays(cu, B)
+    cu_t = torch.as_tensor(cu)
+    assert torch.equal(torch.as_tensor(indices), prepare_chunk_indices(cu_t, B))
+    assert torch.equal(torch.as_tensor(first), prepare_chunk_offsets(cu_t, B))
+
+
+def test_round_layout_links_each_piece_to_its_predecessor():
+    rnd = CoreRound.build(round_calls(), B, "cpu")
+    assert rnd.row_bounds == [0, 232, 488, 565] and rnd.final_bounds == [0, 3, 5, 6]
+    assert rnd.calls[0].previous is None and rnd.calls[1].previous.tolist() == [0, 1]
+    assert rnd.calls[2].previous.tolist() == [0]
+    assert rnd.cu_seqlens.tolist() == [0, 128, 192, 232, 360, 488, 565]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
+@pytest.mark.parametrize("zero_start", [False, True])
+def test_fla_round_matches_call_by_call_bitwise(zero_start):
+    mixer = KimiDeltaAttention(KDAConfig(num_heads=16, head_dim=128, chunk_size=B), hidden_size=256, eps=1e-5).cuda()
+    rnd = CoreRound.build(round_calls(), B, "cuda")
+    T = sum(rnd.call_rows)
+    x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)  # ling-3-tiny heads: cached kernels
+    x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks
+    x = {n: (t if n == "initial_state" else t[0]).cuda().to(torch.float32 if n in ("g", "initial_state")
+                                                              else torch.bfloat16) for n, t in x.items()}
+
+    def run(fused: bool):
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+        mixer.round_op = type(mixer).round_op if fused else None
+        h0 = None if zero_start else leaves["initial_state"]
+        o, finals = mixer.core_round(CoreInputs(*(leaves[n] for n in ("q", "k", "v", "g", "beta"))), rnd, h0)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        loss = sum((t.float() * torch.randn(t.shape, generator=gen, device="cuda")).sum() for t in (o, finals))
+        names = [n for n in leaves if n != "initial_state" or not zero_start]
+        return o, finals, dict(zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])))
+
+    o, finals, grads = run(fused=True)
+    o_ref, finals_ref, grads_ref = run(fused=False)
+    assert finals.shape == (6, 16, 128, 128)
+    assert torch.equal(o, o_ref) and torch.equal(finals, finals_ref)
+    for name, g in grads_ref.items():
+        assert torch.equal(grads[name], g), name
