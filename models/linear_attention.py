@@ -124,6 +124,8 @@ class LinearAttention(nn.Module):
 
         Args:
             inputs: the round's rows, call after call.
+            rnd: its calls, with each piece's predecessor (`CoreCallTensors.previous`) and, for `round_op`, fla's
+                chunk bookkeeping of the whole round.
             initial_state: `[N, HV, K, V]` fp32 state of each of the round's sequences (differentiable), None = zeros.
         Returns: (o `[T, HV, V]`, the final state of every piece `[P, HV, K, V]`, call after call).
         This call-by-call loop is the reference of `round_op`.

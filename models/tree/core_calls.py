@@ -40,6 +40,7 @@ class CoreCall:
     round: the plan round the call belongs to; sequence [N_k]: the round's sequence of each piece. Call j of a round
     packs piece j of its sequences, so a call's sequences are a subset of the previous call's, each starting from
     the final state of its piece there.
+    first_state: the table index of the call's first final state (the others follow in piece order).
     """
 
     gather: np.ndarray
@@ -48,6 +49,7 @@ class CoreCall:
     output_pos: np.ndarray
     round: int
     sequence: np.ndarray
+    first_state: int
 
     @property
     def num_sequences(self) -> int:
@@ -86,6 +88,7 @@ def _round_calls(rd: RoundPlan, r: int, chunk: int, table_of_global: dict[int, i
                 output_pos=np.flatnonzero(out).astype(np.int64),
                 round=r,
                 sequence=np.asarray(seqs, dtype=np.int64),
+                first_state=table_size,
             )
         )
         for n, s in enumerate(seqs):

@@ -19,8 +19,8 @@ from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
-__all__ = ["CoreCallTensors", "CoreRound", "TreeLayout", "core_rounds", "ancestor_rows", "build_attention_layout", "conv_context_rows",
-           "row_reader"]
+__all__ = ["CoreCallTensors", "CoreRound", "TreeLayout", "core_rounds", "ancestor_rows", "build_attention_layout",
+           "conv_context_rows", "row_reader"]
 
 
 def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
@@ -176,7 +176,7 @@ class CoreRound:
         """From the consecutive calls of one round."""
         for prev, call in zip(calls, calls[1:]):
             pos = np.searchsorted(prev.sequence, call.sequence)
-            assert np.isin(call.sequence, prev.sequence).all() and np.unique(call.init_state - pos).size == 1, \
+            assert np.isin(call.sequence, prev.sequence).all() and (call.init_state == prev.first_state + pos).all(), \
                 "each piece of a later call starts from its sequence's final state in the previous call"
         rows = [int(c.gather.size) for c in calls]
         cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))

@@ -25,25 +25,39 @@ beta activated outside, q/k normalised, K-first fp32 states, no context parallel
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from models.ops.delta_rule.partition import check_delta_rule_shapes
+from models.ops.kda.chunk import FLA_KDA_CHUNK_SIZES
 
-def _recurrence(kg, w, u, g, rnd, initial_state=None, inits=None):
+if TYPE_CHECKING:
+    from models.tree.layout import CoreRound
+
+
+def _along_t(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-call tensors `[1, T_j or NT_j, ...]` as the round's (calls in order)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+
+
+def _recurrence(kg, w, u, g_cum, rnd: CoreRound, initial_state=None, inits=None):
     """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]`, and per call its
-    initial states (None = zeros) and final states. Forward: from `initial_state` (the round's), each later call
-    from the previous call's final states. Backward's recomputation: from the saved per-call `inits`, no finals."""
+    initial states `[N_j, HV, K, V]` (None = zeros) and final states. Forward: from `initial_state` (the round's),
+    each later call from the previous call's final states. Backward's recomputation: from the saved per-call `inits`,
+    no final states."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     hs, v_news, starts, finals = [], [], [], []
-    start = 0
-    for j, (call, rows) in enumerate(zip(rnd.calls, rnd.call_rows)):
-        piece = slice(start, start + rows)
+    bounds = rnd.row_bounds
+    for j, call in enumerate(rnd.calls):
+        piece = slice(bounds[j], bounds[j + 1])
         if inits is not None:
             h0 = inits[j]
         else:
             h0 = initial_state if j == 0 else finals[-1] if call.previous is None else finals[-1][call.previous]
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
-            k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g[:, piece], initial_state=h0,
+            k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece], initial_state=h0,
             output_final_state=inits is None, cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu,
             chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets, chunk_size=rnd.chunk_size,
         )
@@ -51,86 +65,110 @@ def _recurrence(kg, w, u, g, rnd, initial_state=None, inits=None):
         v_news.append(v_new)
         starts.append(h0)
         finals.append(final)
-        start += rows
     return _along_t(hs), _along_t(v_news), starts, finals
 
 
-def _along_t(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-call tensors `[1, T_j or NT_j, ...]` as the round's."""
-    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+def kda_round_fwd(q, k, v, g, beta, scale: float, initial_state, rnd: CoreRound):
+    """Forward of a round: q, k `[1, T, H, K]`, v `[1, T, HV, V]`, g `[1, T, HV, K]` (log decay), beta `[1, T, HV]`,
+    initial_state `[N_0, HV, K, V]` fp32 or None. Returns o `[1, T, HV, V]`, the final state of every piece
+    `[P, HV, K, V]` fp32, and for backward the gate's chunk cumsum, Aqk, Akk and each call's initial states."""
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
+    g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=B, **packed)
+    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, chunk_size=B,
+                                                **packed)
+    h, v_new, inits, finals = _recurrence(kg, w, u, g_cum, rnd, initial_state=initial_state)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=B, **packed)
+    return o, torch.cat(finals), g_cum, Aqk, Akk, inits
 
 
-class _KDARound(torch.autograd.Function):
+def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_finals, rnd: CoreRound):
+    """Backward of a round from `kda_round_fwd`'s saved tensors, do `[1, T, HV, V]` and d_finals `[P, HV, K, V]`:
+    (dq, dk, dv, dg, dbeta, d initial_state or None). Call j's `dht` is its pieces' final-state gradient plus, where a
+    piece continues in call j+1, that continuation's initial-state gradient."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
+    w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
+    h, v_new, _, _ = _recurrence(kg, w, u, g_cum, rnd, inits=inits)
+    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
+    rows, states = rnd.row_bounds, rnd.final_bounds
+    dhs, dvs = [None] * len(rnd.calls), [None] * len(rnd.calls)
+    dh0 = None
+    for j in reversed(range(len(rnd.calls))):
+        call, piece = rnd.calls[j], slice(rows[j], rows[j + 1])
+        dht = d_finals[states[j] : states[j + 1]]
+        if dh0 is not None:
+            later = rnd.calls[j + 1].previous
+            dht = dht + dh0 if later is None else dht.index_add(0, later, dh0)
+        dhs[j], dh0, dvs[j] = chunk_gated_delta_rule_bwd_dhu(
+            q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece], dv=dv[:, piece], gk=g_cum[:, piece],
+            h0=inits[j], dht=dht.contiguous(), scale=scale, cu_seqlens=call.cu_seqlens, chunk_size=B,
+            chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+        )
+    dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=_along_t(dhs), dv=_along_t(dvs),
+        scale=scale, chunk_size=B, chunk_offsets=rnd.chunk_offsets, **packed,
+    )
+    dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                         dg=dg, chunk_size=B, **packed)
+    H, HV = q.shape[2], v.shape[2]
+    if HV > H:  # as fla: value-head gradients summed per query/key head (our KDA has HV == H)
+        dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
+        dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, **packed)
+    return dq, dk, dv, dg, db, dh0
+
+
+class KDARoundFunction(torch.autograd.Function):
+    """`kda_round_fwd` / `kda_round_bwd` under autograd, on the inputs' device."""
+
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, rnd, scale):
-        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-        from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-
-        B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
-        g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=B, **packed)
-        w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, chunk_size=B,
-                                                    **packed)
-        h, v_new, inits, finals = _recurrence(kg, w, u, g_cum, rnd, initial_state=initial_state)
-        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=B, **packed)
+        with torch.cuda.device(q.device):
+            o, finals, g_cum, Aqk, Akk, inits = kda_round_fwd(q, k, v, g, beta, scale, initial_state, rnd)
         ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, *(x for x in inits if x is not None))
         ctx.zero_start, ctx.rnd, ctx.scale, ctx.g_dtype = initial_state is None, rnd, scale, g.dtype
-        return o.type_as(q), torch.cat(finals)
+        return o.type_as(q), finals
 
     @staticmethod
     def backward(ctx, do, d_finals):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
-        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-        from fla.ops.kda.wy_fast import recompute_w_u_fwd
-        from fla.ops.utils import chunk_local_cumsum
-
         q, k, v, g_cum, beta, Aqk, Akk, *inits = ctx.saved_tensors
-        rnd, scale = ctx.rnd, ctx.scale
-        inits = [None, *inits] if ctx.zero_start else inits
-        B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
-        do = do.contiguous()
-        w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
-        h, v_new, _, _ = _recurrence(kg, w, u, g_cum, rnd, inits=inits)
-        dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
-        bounds, first_final = rnd.row_bounds, rnd.final_bounds
-        dhs, dvs = [None] * len(rnd.calls), [None] * len(rnd.calls)
-        dh0 = None
-        for j in reversed(range(len(rnd.calls))):
-            call, piece = rnd.calls[j], slice(bounds[j], bounds[j + 1])
-            dht = d_finals[first_final[j] : first_final[j + 1]]
-            if dh0 is not None:  # the continuation's initial-state gradient reaches this piece's final state
-                nxt = rnd.calls[j + 1].previous
-                dht = dht + dh0 if nxt is None else dht.index_add(0, nxt, dh0)
-            dhs[j], dh0, dvs[j] = chunk_gated_delta_rule_bwd_dhu(
-                q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece], dv=dv[:, piece], gk=g_cum[:, piece],
-                h0=inits[j], dht=dht.contiguous(), scale=scale, cu_seqlens=call.cu_seqlens, chunk_size=B,
-                chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+        with torch.cuda.device(q.device):
+            dq, dk, dv, dg, db, dh0 = kda_round_bwd(
+                q, k, v, g_cum, beta, Aqk, Akk, [None, *inits] if ctx.zero_start else inits, ctx.scale,
+                do.contiguous(), d_finals, ctx.rnd,
             )
-        dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-            q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=_along_t(dhs), dv=_along_t(dvs),
-            scale=scale,
-            chunk_size=B, chunk_offsets=rnd.chunk_offsets, **packed,
-        )
-        dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
-                                             dg=dg, chunk_size=B, **packed)
-        H, HV = q.shape[2], v.shape[2]
-        if HV > H:
-            dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
-            dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
-        dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, **packed)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0, None, None
 
 
-def fla_kda_round(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rnd,
-                  initial_state: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`LinearAttention.core_round` on fla's kernels: the round's rows q, k `[T, H, K]`, v `[T, HV, V]`,
-    g `[T, HV, K]`, beta `[T, HV]` (as `models.linear_attention.CoreInputs`), initial_state `[N_0, HV, K, V]` fp32
-    or None (zeros); returns (o `[T, HV, V]` in v's dtype, the final state of every piece `[P, HV, K, V]` fp32)."""
-    if chunk_size != rnd.chunk_size:
-        raise ValueError(f"the layout's rounds are planned for chunk size {rnd.chunk_size}, the mixer runs {chunk_size}")
+def fla_kda_round(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  rnd: CoreRound, initial_state: torch.Tensor | None, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LinearAttention.core_round` on fla's kernels (its `round_op`).
+
+    Args:
+        q, k: `[T, H, K]` the round's rows, L2-normalised; v `[T, HV, V]`; g `[T, HV, K]` log decay; beta `[T, HV]`
+            (as `models.linear_attention.CoreInputs`).
+        rnd: the round's calls (`models.tree.layout.CoreRound`), planned for `chunk_size` (32 or 64).
+        initial_state: `[N_0, HV, K, V]` fp32 state of each of the round's sequences, None = zeros.
+    Returns: (o `[T, HV, V]` in v's dtype, the final state of every piece `[P, HV, K, V]` fp32, call after call).
+    """
+    if chunk_size not in FLA_KDA_CHUNK_SIZES or chunk_size != rnd.chunk_size:
+        raise ValueError(f"the round is planned for chunk size {rnd.chunk_size} and the mixer runs {chunk_size}; "
+                         f"the fla KDA path needs them equal and one of {FLA_KDA_CHUNK_SIZES}")
     q, k, v_, g, beta = (t[None].contiguous() for t in (q, k, v, g, beta))
+    if q.shape[-1] > 256:
+        raise ValueError(f"the fla KDA path needs head dim K <= 256, got K={q.shape[-1]}")
+    check_delta_rule_shapes(q, k, v_, g, beta, initial_state, rnd.calls[0].cu_seqlens_cpu.numel() - 1, True)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, finals = _KDARound.apply(q, k, v_, g, beta, h0, rnd, q.shape[-1] ** -0.5)
+    o, finals = KDARoundFunction.apply(q, k, v_, g, beta, h0, rnd, q.shape[-1] ** -0.5)
     return o[0].to(v.dtype), finals

@@ -16,26 +16,29 @@ from planner.index_arrays import offsets
 from tests.models.ops.delta_rule_cases import make_inputs
 
 B = 64
-# A round of three sequences: 333 rows cut at chunks 2 and 4, 192 rows cut at chunk 1, 40 rows uncut.
-PIECES = [[(0, 128), (128, 256), (256, 333)], [(0, 64), (64, 192)], [(0, 40)]]
+# Rounds of three sequences, as (start, end) rows of each sequence's pieces:
+ROUNDS = {
+    # 333 rows cut at chunks 2 and 4, 192 rows cut at chunk 1, 40 rows uncut: later calls drop sequences.
+    "dropping": [[(0, 128), (128, 256), (256, 333)], [(0, 64), (64, 192)], [(0, 40)]],
+    # every sequence cut once, the second piece one row or several chunks: the calls keep all sequences.
+    "continuing": [[(0, 128), (128, 200)], [(0, 64), (64, 65)], [(0, 192), (192, 400)]],
+    # nothing cut: one call.
+    "single call": [[(0, 100)], [(0, 64)], [(0, 7)]],
+}
 
 
-def round_calls() -> list[CoreCall]:
+def round_calls(pieces) -> list[CoreCall]:
     """Call j packs piece j of each sequence; rows numbered sequence after sequence, table indices as in
     `models.tree.core_calls` (call 0 from entries 1..3, later calls from the previous call's finals)."""
-    starts = offsets([p[-1][1] for p in PIECES])[:-1]
+    starts = offsets([p[-1][1] for p in pieces])[:-1]
     calls, table = [], 4
-    for j in range(max(len(p) for p in PIECES)):
-        seqs = [s for s, p in enumerate(PIECES) if len(p) > j]
-        rows = [np.arange(starts[s] + PIECES[s][j][0], starts[s] + PIECES[s][j][1]) for s in seqs]
-        if j == 0:
-            init = np.array([1, 2, 3])
-        else:
-            prev = [s for s, p in enumerate(PIECES) if len(p) > j - 1]
-            init = table - len(prev) + np.searchsorted(prev, seqs)
+    for j in range(max(len(p) for p in pieces)):
+        seqs = [s for s, p in enumerate(pieces) if len(p) > j]
+        rows = [np.arange(starts[s] + pieces[s][j][0], starts[s] + pieces[s][j][1]) for s in seqs]
+        init = np.array([1, 2, 3]) if j == 0 else calls[-1].first_state + np.searchsorted(calls[-1].sequence, seqs)
         gather = np.concatenate(rows)
         calls.append(CoreCall(gather=gather, cu_seqlens=offsets([r.size for r in rows]), init_state=init,
-                              output_pos=np.arange(gather.size), round=0, sequence=np.array(seqs)))
+                              output_pos=np.arange(gather.size), round=0, sequence=np.array(seqs), first_state=table))
         table += len(seqs)
     return calls
 
@@ -51,21 +54,32 @@ def test_fla_chunk_arrays_are_fla_bookkeeping():
 
 
 def test_round_layout_links_each_piece_to_its_predecessor():
-    rnd = CoreRound.build(round_calls(), B, "cpu")
+    rnd = CoreRound.build(round_calls(ROUNDS["dropping"]), B, "cpu")
     assert rnd.row_bounds == [0, 232, 488, 565] and rnd.final_bounds == [0, 3, 5, 6]
     assert rnd.calls[0].previous is None and rnd.calls[1].previous.tolist() == [0, 1]
     assert rnd.calls[2].previous.tolist() == [0]
     assert rnd.cu_seqlens.tolist() == [0, 128, 192, 232, 360, 488, 565]
+    continuing = CoreRound.build(round_calls(ROUNDS["continuing"]), B, "cpu")
+    assert [c.previous for c in continuing.calls] == [None, None]
+
+
+def test_round_layout_refuses_a_piece_that_does_not_continue_its_sequence():
+    calls = round_calls(ROUNDS["dropping"])
+    calls[1].init_state = calls[1].init_state[::-1].copy()
+    with pytest.raises(AssertionError, match="starts from its sequence's final state"):
+        CoreRound.build(calls, B, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
 @pytest.mark.parametrize("zero_start", [False, True])
-def test_fla_round_matches_call_by_call_bitwise(zero_start):
-    mixer = KimiDeltaAttention(KDAConfig(num_heads=16, head_dim=128, chunk_size=B), hidden_size=256, eps=1e-5).cuda()
-    rnd = CoreRound.build(round_calls(), B, "cuda")
+@pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
+def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start):
+    config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
+    mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
+    rnd = CoreRound.build(round_calls(pieces), B, "cuda")
     T = sum(rnd.call_rows)
-    x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)  # ling-3-tiny heads: cached kernels
+    x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)
     x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks
     x = {n: (t if n == "initial_state" else t[0]).cuda().to(torch.float32 if n in ("g", "initial_state")
                                                               else torch.bfloat16) for n, t in x.items()}
@@ -82,7 +96,7 @@ def test_fla_round_matches_call_by_call_bitwise(zero_start):
 
     o, finals, grads = run(fused=True)
     o_ref, finals_ref, grads_ref = run(fused=False)
-    assert finals.shape == (6, 16, 128, 128)
+    assert finals.shape == (rnd.final_bounds[-1], 16, 128, 128)
     assert torch.equal(o, o_ref) and torch.equal(finals, finals_ref)
     for name, g in grads_ref.items():
         assert torch.equal(grads[name], g), name
