@@ -123,18 +123,18 @@ class CoreCallTensors:
     """fla's chunk bookkeeping of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
 
     @staticmethod
-    def build(call: CoreCall, previous: CoreCall | None, chunk_size: int, device) -> "CoreCallTensors":
+    def build(call: CoreCall, previous: CoreCall | None, chunk_size: int) -> "CoreCallTensors":
+        """On the host (`core_rounds` moves the index tensors to the device)."""
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
         continues = previous is None or np.array_equal(previous.sequence, call.sequence)
         return CoreCallTensors(
-            cu_seqlens=cu.to(device),
+            cu_seqlens=cu,
             cu_seqlens_cpu=cu,
             init_state=None if not call.init_state.any() else tuple(call.init_state.tolist()),
-            previous=None if continues else torch.as_tensor(
-                np.searchsorted(previous.sequence, call.sequence), dtype=torch.int64, device=device),
-            chunk_indices=torch.as_tensor(indices, device=device),
-            chunk_offsets=torch.as_tensor(first, device=device),
+            previous=None if continues else torch.as_tensor(np.searchsorted(previous.sequence, call.sequence)),
+            chunk_indices=torch.as_tensor(indices),
+            chunk_offsets=torch.as_tensor(first),
         )
 
 
@@ -172,8 +172,8 @@ class CoreRound:
         return self.calls[0].init_state
 
     @staticmethod
-    def build(calls: list[CoreCall], chunk_size: int, device) -> "CoreRound":
-        """From the consecutive calls of one round."""
+    def build(calls: list[CoreCall], chunk_size: int) -> "CoreRound":
+        """From the consecutive calls of one round, on the host (`core_rounds` moves the index tensors)."""
         for prev, call in zip(calls, calls[1:]):
             pos = np.searchsorted(prev.sequence, call.sequence)
             assert np.isin(call.sequence, prev.sequence).all() and (call.init_state == prev.first_state + pos).all(), \
@@ -181,18 +181,30 @@ class CoreRound:
         rows = [int(c.gather.size) for c in calls]
         cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
         indices, first = fla_chunk_arrays(cu, chunk_size)
-        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
         return CoreRound(
-            calls=[CoreCallTensors.build(c, p, chunk_size, device) for p, c in zip([None, *calls], calls)],
-            call_rows=rows, cu_seqlens=as_t(cu), chunk_indices=as_t(indices), chunk_offsets=as_t(first),
-            chunk_size=chunk_size,
+            calls=[CoreCallTensors.build(c, p, chunk_size) for p, c in zip([None, *calls], calls)],
+            call_rows=rows, cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
+            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size,
         )
 
 
+_DEVICE_INDEX_FIELDS = {CoreRound: ("cu_seqlens", "chunk_indices", "chunk_offsets"),
+                        CoreCallTensors: ("cu_seqlens", "previous", "chunk_indices", "chunk_offsets")}
+
+
 def core_rounds(calls: list[CoreCall], chunk_size: int, device) -> list[CoreRound]:
-    """The calls (in order, `models.tree.core_calls.core_calls`) grouped by round."""
+    """The calls (in order, `models.tree.core_calls.core_calls`) grouped by round, their index tensors on `device`
+    as views of one buffer: 3-4 per call, and each host-to-device copy of its own would block the host."""
     bounds = [0, *(i for i in range(1, len(calls)) if calls[i].round != calls[i - 1].round), len(calls)]
-    return [CoreRound.build(calls[a:b], chunk_size, device) for a, b in zip(bounds, bounds[1:])]
+    rounds = [CoreRound.build(calls[a:b], chunk_size) for a, b in zip(bounds, bounds[1:])]
+    if device is not None and torch.device(device).type != "cpu":
+        slots = [(obj, name) for r in rounds for obj in (r, *r.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
+                 if getattr(obj, name) is not None]
+        host = [getattr(obj, name) for obj, name in slots]
+        flat = torch.cat([t.reshape(-1) for t in host]).to(device)
+        for (obj, name), t, part in zip(slots, host, flat.split([t.numel() for t in host])):
+            setattr(obj, name, part.view(t.shape))
+    return rounds
 
 
 @dataclass

@@ -11,7 +11,7 @@ from models.kda import KimiDeltaAttention
 from models.linear_attention import CoreInputs
 from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.core_calls import CoreCall
-from models.tree.layout import CoreRound
+from models.tree.layout import CoreRound, core_rounds
 from planner.index_arrays import offsets
 from tests.models.ops.delta_rule_cases import make_inputs
 
@@ -54,20 +54,32 @@ def test_fla_chunk_arrays_are_fla_bookkeeping():
 
 
 def test_round_layout_links_each_piece_to_its_predecessor():
-    rnd = CoreRound.build(round_calls(ROUNDS["dropping"]), B, "cpu")
+    rnd = CoreRound.build(round_calls(ROUNDS["dropping"]), B)
     assert rnd.row_bounds == [0, 232, 488, 565] and rnd.final_bounds == [0, 3, 5, 6]
     assert rnd.calls[0].previous is None and rnd.calls[1].previous.tolist() == [0, 1]
     assert rnd.calls[2].previous.tolist() == [0]
     assert rnd.cu_seqlens.tolist() == [0, 128, 192, 232, 360, 488, 565]
-    continuing = CoreRound.build(round_calls(ROUNDS["continuing"]), B, "cpu")
+    continuing = CoreRound.build(round_calls(ROUNDS["continuing"]), B)
     assert [c.previous for c in continuing.calls] == [None, None]
+
+
+def test_round_index_tensors_move_to_the_device_in_one_buffer():
+    host = core_rounds(round_calls(ROUNDS["dropping"]), B, "cpu")[0]
+    moved = core_rounds(round_calls(ROUNDS["dropping"]), B, "meta")[0]
+    for a, b in [(host, moved), *zip(host.calls, moved.calls)]:
+        for name in ("cu_seqlens", "chunk_indices", "chunk_offsets", "previous"):
+            x, y = getattr(a, name, None), getattr(b, name, None)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert y.device.type == "meta" and y.shape == x.shape and y.dtype == x.dtype == torch.int64, name
+    assert all(c.cu_seqlens_cpu.device.type == "cpu" for c in moved.calls)
 
 
 def test_round_layout_refuses_a_piece_that_does_not_continue_its_sequence():
     calls = round_calls(ROUNDS["dropping"])
     calls[1].init_state = calls[1].init_state[::-1].copy()
     with pytest.raises(AssertionError, match="starts from its sequence's final state"):
-        CoreRound.build(calls, B, "cpu")
+        CoreRound.build(calls, B)
 
 
 @pytest.mark.gpu
@@ -77,7 +89,7 @@ def test_round_layout_refuses_a_piece_that_does_not_continue_its_sequence():
 def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start):
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
-    rnd = CoreRound.build(round_calls(pieces), B, "cuda")
+    rnd = core_rounds(round_calls(pieces), B, "cuda")[0]
     T = sum(rnd.call_rows)
     x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)
     x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks
