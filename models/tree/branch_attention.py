@@ -21,6 +21,7 @@ adds their gradients, as flat attention would.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from models.ops.varlen_attention import pads_values, varlen_kernels
+from models.tree.device_copy import device_views
 from models.tree.regions import region
 
 __all__ = ["BranchGroup", "branch_attention", "branch_groups"]
@@ -73,14 +75,15 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
         groups.append(BranchGroup(
             rows=slice(int(cu_q[n]), int(cu_q[m])),
             kv=slice(int(cu_kv[n]), int(cu_kv[m])),
-            cu_q=torch.as_tensor(q_off, dtype=torch.int32, device=device),
-            cu_kv=torch.as_tensor(kv_off, dtype=torch.int32, device=device),
+            cu_q=torch.as_tensor(q_off, dtype=torch.int32),
+            cu_kv=torch.as_tensor(kv_off, dtype=torch.int32),
             max_q=int(np.diff(q_off).max()),
             max_kv=int(np.diff(kv_off).max()),
             own_rows=bool(np.array_equal(q_off, kv_off)),
         ))
         n = m
-    return groups
+    moved = iter(device_views([t for g in groups for t in (g.cu_q, g.cu_kv)], device))
+    return [dataclasses.replace(g, cu_q=next(moved), cu_kv=next(moved)) for g in groups]
 
 
 def _padded(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
+from models.tree.device_copy import device_views
 from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
@@ -194,16 +195,13 @@ _DEVICE_INDEX_FIELDS = {CoreRound: ("cu_seqlens", "chunk_indices", "chunk_offset
 
 def core_rounds(calls: list[CoreCall], chunk_size: int, device) -> list[CoreRound]:
     """The calls (in order, `models.tree.core_calls.core_calls`) grouped by round, their index tensors on `device`
-    as views of one buffer: 3-4 per call, and each host-to-device copy of its own would block the host."""
+    in one copy (`models.tree.device_copy`: 3-4 of them per call)."""
     bounds = [0, *(i for i in range(1, len(calls)) if calls[i].round != calls[i - 1].round), len(calls)]
     rounds = [CoreRound.build(calls[a:b], chunk_size) for a, b in zip(bounds, bounds[1:])]
-    if device is not None and torch.device(device).type != "cpu":
-        slots = [(obj, name) for r in rounds for obj in (r, *r.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
-                 if getattr(obj, name) is not None]
-        host = [getattr(obj, name) for obj, name in slots]
-        flat = torch.cat([t.reshape(-1) for t in host]).to(device)
-        for (obj, name), t, part in zip(slots, host, flat.split([t.numel() for t in host])):
-            setattr(obj, name, part.view(t.shape))
+    slots = [(obj, name) for r in rounds for obj in (r, *r.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
+             if getattr(obj, name) is not None]
+    for (obj, name), t in zip(slots, device_views([getattr(obj, name) for obj, name in slots], device)):
+        setattr(obj, name, t)
     return rounds
 
 
