@@ -18,7 +18,8 @@ minus the profiled run's kernel time: the time the GPU waits for the host (prepa
 synchronisations); `bench.idle` says where in the profiled run it lies (before the first kernel, and the longest
 gaps between kernels with the host ops at their ends), and `models.tree.regions` what tree execution's own work
 (branch view gathers, flash calls and scatter-adds, row gathers, carried context) costs on the device.
-`--recompute` picks the activation recomputation of every mode (default full, as bench.speed).
+`--recompute` picks the activation recomputation of every mode (default full, as bench.speed). `--host N` also runs
+each mode once under cProfile and prints its N functions with the most host time (`bench.host_time`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList
 
 from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regions
+from bench.host_time import host_profile
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.speed import (
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
                         help="activation recomputation of every mode: none, full (default) or "
                              "selective[:key=value,...] as in bench.speed")
     parser.add_argument("--json", help="also write every op's self CUDA time and calls by input shapes, per mode")
+    parser.add_argument("--host", type=int, default=0, metavar="ROWS",
+                        help="also run each mode once under cProfile and print its ROWS functions with the most host "
+                             "time (bench.host_time)")
     add_kernel_cache_option(parser)
     args = parser.parse_args(argv)
     chosen = args.modes.split(",")
@@ -159,6 +164,8 @@ def main(argv=None) -> int:
             sync(dev)
             timed_s = time.perf_counter() - start
             print(f"{name} run {run}: {timed_s:.2f} s", flush=True)
+        if args.host:
+            print(f"{name}: " + host_profile(fn, args.host, sync=lambda: sync(dev)), flush=True)
         sites = sync_sites(fn)
         print(f"{name}: {sum(sites.values())} host synchronisations")
         for site, count in sites.most_common(10):
