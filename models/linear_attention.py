@@ -136,7 +136,7 @@ class LinearAttention(nn.Module):
         pieces = [t.split(rnd.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
         outputs, finals = [], []
         for j, call in enumerate(rnd.calls):
-            h0 = initial_state if j == 0 else finals[-1] if call.previous is None else finals[-1][call.previous]
+            h0 = call.initial_states(initial_state, finals[-1] if finals else None)
             o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu, h0, True)
             outputs.append(o)
             finals.append(final.to(upcast(inputs.v.dtype)))

@@ -123,6 +123,15 @@ class CoreCallTensors:
     chunk_offsets: torch.Tensor
     """fla's chunk bookkeeping of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
 
+    def initial_states(self, round_initial: torch.Tensor | None, previous_finals: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        """This call's initial states `[N_k, HV, K, V]`: for a round's first call (`previous_finals` None) the
+        round's `round_initial` (None = zeros), else each piece's predecessor among the previous call's final
+        states."""
+        if previous_finals is None:
+            return round_initial
+        return previous_finals if self.previous is None else previous_finals[self.previous]
+
     @staticmethod
     def build(call: CoreCall, previous: CoreCall | None, chunk_size: int) -> "CoreCallTensors":
         """On the host (`core_rounds` moves the index tensors to the device)."""

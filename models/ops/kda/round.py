@@ -52,10 +52,7 @@ def _recurrence(kg, w, u, g_cum, rnd: CoreRound, initial_state=None, inits=None)
     bounds = rnd.row_bounds
     for j, call in enumerate(rnd.calls):
         piece = slice(bounds[j], bounds[j + 1])
-        if inits is not None:
-            h0 = inits[j]
-        else:
-            h0 = initial_state if j == 0 else finals[-1] if call.previous is None else finals[-1][call.previous]
+        h0 = inits[j] if inits is not None else call.initial_states(initial_state, finals[-1] if finals else None)
         h, v_new, final = chunk_gated_delta_rule_fwd_h(
             k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece], initial_state=h0,
             output_final_state=inits is None, cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu,
