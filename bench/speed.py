@@ -22,7 +22,9 @@ Core adds Arbor's microbatch planner. Every mode accumulates gradients over all 
 ~1.2). The `auto` mode (when flat and duplicate run) runs the duplicate plan as the RL job's `planner.mode = "auto"`
 does, under a linear cost model fitted to this run's own measurements: each microbatch as its trie, or as its flat
 expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`,
-`models.microbatch.prepare_microbatch`). (Until session 9 it packed the other microbatches' trajectories flat
+`models.microbatch.prepare_microbatch`). MFU (cuda) is printed for each mode in two forms (`bench.flops`): 6 per
+active parameter and executed row, and with full attention's products over the causal query-key pairs executed.
+(Until session 9 it packed the other microbatches' trajectories flat
 like the baseline instead: the "auto x" columns of earlier bench/RESULTS.md sections measured that.)
 """
 
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from bench.ceiling import KernelWork, ideal, profiled
+from bench.flops import PEAK_FLOPS, active_params, attention_flops_per_pair, mfu
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
 from bench.workloads import swe_like_step
@@ -56,8 +59,6 @@ from planner.microbatch import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory
 
-#: Dense bf16 peak of an H100/H200 SXM (datasheet), for MFU.
-PEAK_FLOPS = {"cuda": 989e12}
 #: What `--modes` may name, in the order they run; "duplicate" is reported under "tree".
 MODES = ("flat", "duplicate", "carry")
 #: Each mode's key in a result row.
@@ -74,19 +75,6 @@ def low_sharing_step(seed: int, paths: int, length: int, vocab: int) -> list[Tra
             tail = rng.integers(0, vocab, size=length - prompt.size)
             out.append(Trajectory(np.concatenate([prompt, tail]), tree=f"low{i}"))
     return out
-
-
-def active_params(model: HybridForCausalLM) -> int:
-    """Parameters one token touches: everything but the embedding table, routed experts at top_k / E."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and not model.config.tie_word_embeddings:
-            continue
-        if ".experts." in name:
-            total += p.numel() * model.config.moe.top_k // model.config.moe.num_experts
-        else:
-            total += p.numel()
-    return total
 
 
 def first_fit_flat(trajectories, capacity: int) -> list[list[int]]:
@@ -253,19 +241,28 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
 
     flat_s = results["flat"]["seconds"] if "flat" in results else None
     row = {"workload": name, "trajectories": len(trajectories), "semantic_tokens": S}
+    params, per_pair = active_params(model), attention_flops_per_pair(model.config)
+    peak_flops = PEAK_FLOPS.get(device.type)
+
+    def utilisation(rows: float, pairs: float, seconds: float) -> dict:
+        """MFU of `rows` rows and `pairs` query-key pairs in `seconds`: 6 N only (the issue's form), and with
+        full attention's products (bench.flops)."""
+        if not peak_flops:
+            return {}
+        return {"mfu": mfu(params, rows, 0, pairs, seconds, peak_flops),
+                "mfu_attention": mfu(params, rows, per_pair, pairs, seconds, peak_flops)}
     state = {"trajectories": trajectories, "normalizer": normalizer}
     if "duplicate" in modes:
         mbs = per_mb["duplicate"][1]
         batches = [mb.batch for mb in mbs]
         C = sum(b.num_compact for b in batches)
         tree_s = results["tree"]["seconds"]
-        flops_token = 6 * active_params(model)
-        peak_flops = PEAK_FLOPS.get(device.type)
+        pairs = sum(tree_pairs(b) for b in batches)
         fbg = flat_s / tree_s if flat_s is not None else None
         row.update({
             "compact_tokens": C,
             "compression": S / C,
-            "attention_compression": flat_pairs(trajectories) / sum(tree_pairs(b) for b in batches),
+            "attention_compression": flat_pairs(trajectories) / pairs,
             "replay_tokens": int(sum(mb.plan.total_replay for mb in mbs)),
             "rounds_max": int(max(mb.plan.num_rounds for mb in mbs)),
             "attention_view_rows": sum(view_rows(mb) for mb in mbs),
@@ -275,7 +272,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
                       "tree_samples": [(mb.batch.num_compact, view_rows(mb), t)
                                        for mb, t in zip(mbs, per_mb["duplicate"][0])]})
     if "flat" in modes:
-        row["flat"] = results["flat"]
+        row["flat"] = {**results["flat"], **utilisation(S, flat_pairs(trajectories), flat_s)}
         row["flat_tokens_per_s"] = S / flat_s
     if {"flat", "duplicate"} <= set(modes) and not args.no_auto:
         row["expansion"] = time_expansion(model, trajectories, flat_groups, per_mb["flat"][0], normalizer, args,
@@ -288,15 +285,15 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
             "fbg_over_compression": fbg / (S / C) if fbg is not None else None,
             "core_speedup": flat_s / (tree_s + plan_seconds) if flat_s is not None else None,
             "tree_semantic_tokens_per_s": S / tree_s,
-            "flat_mfu": flops_token * S / flat_s / peak_flops if peak_flops and flat_s is not None else None,
-            "tree_mfu_compact": flops_token * C / tree_s / peak_flops if peak_flops else None,
         })
+        row["tree"].update(utilisation(C, pairs, tree_s))
     if "carry" in modes:
         executed = sum(mb.num_compact for mb in per_mb["carry"][1])
         carry_s = results["carry"]["seconds"]
         row["carry"] = {**results["carry"], "executed_rows": executed, "trie_rows": cplan.trie_compact_tokens,
                         "executed_over_trie": executed / cplan.trie_compact_tokens,
-                        "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s}
+                        "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s,
+                        **utilisation(executed, tree_pairs(pack(trajectories)), carry_s)}
         row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
         carried = per_mb["carry"][1]
         state["carry_samples"] = [(executed, sum(view_rows(mb) for mb in carried),
@@ -434,16 +431,14 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
                 _cell(r.get("core_speedup"), ".2f"), _cell(r.get("carry_speedup"), ".2f"),
                 _cell(carry.get("executed_over_trie"), ".3f"),
                 _cell(flat.get("peak_gib"), ".1f"), _cell(tree.get("peak_gib"), ".1f"),
-                _cell(carry.get("peak_gib"), ".1f"), _cell(r.get("flat_mfu"), ".3f"), _cell(auto.get("speedup"), ".2f")]
+                _cell(carry.get("peak_gib"), ".1f"), _cell(flat.get("mfu"), ".3f"), _cell(auto.get("speedup"), ".2f")]
         print(" ".join(f"{v:>9}" for v in vals))
     for r in rows:
         rates = [f"{mode} {r[key]:,.0f}" for mode, key in (("flat", "flat_tokens_per_s"),
                                                             ("tree", "tree_semantic_tokens_per_s")) if key in r]
         if "carry" in r:
             rates.append(f"carry {r['carry']['semantic_tokens_per_s']:,.0f}")
-        mfu = (f"; MFU flat {r['flat_mfu']:.3f}, tree {r['tree_mfu_compact']:.3f} (on compact rows)"
-               if r.get("flat_mfu") is not None else "")
-        line = f"{r['workload']}: tokens/s {', '.join(rates)} (semantic){mfu}"
+        line = f"{r['workload']}: tokens/s {', '.join(rates)} (semantic){mfu_text(r)}"
         if "carry" in r:
             c, duplicate = r["carry"], r.get("tree", {})
             line += (f"; carry executes {c['executed_rows']:,} rows in {c['microbatches']} microbatches against "
@@ -471,6 +466,16 @@ def print_table(rows: list[dict], header: dict, recompute: str) -> None:
     print("tree = duplicate mode (HARTS plan); carry x = flat s / carry s; exec/trie = carry's executed rows (own "
           "compact rows of its microbatches) / the trie's rows")
     print("command: " + header["command"])
+
+
+def mfu_text(row: dict) -> str:
+    """The MFU of each mode that ran, 6 N only and with attention's products (bench.flops); the tree and carry on
+    the rows they execute."""
+    modes = [(mode, row[mode]) for mode in ("flat", "tree", "carry") if "mfu" in row.get(mode, {})]
+    if not modes:
+        return ""
+    return ("; MFU " + ", ".join(f"{mode} {m['mfu']:.3f}" for mode, m in modes) + " (6 N per executed row), "
+            + ", ".join(f"{mode} {m['mfu_attention']:.3f}" for mode, m in modes) + " with attention's products")
 
 
 def print_recompute_summary(rows: list[dict]) -> None:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.speed import carry_context_cost, main
+from bench.speed import carry_context_cost, main, mfu_text
 
 
 def test_speed_runs_and_reports(tmp_path, capsys):
@@ -94,3 +94,12 @@ def test_bad_recompute_option(capsys, option, message):
         main(["--recompute", option])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mfu_line_names_both_forms_for_the_modes_that_ran():
+    """Session 11's flat 6 N MFU 0.094; the modes without an MFU (a CPU run) print nothing."""
+    row = {"flat": {"mfu": 0.094, "mfu_attention": 0.161}, "tree": {"seconds": 1.0},
+           "carry": {"mfu": 0.08, "mfu_attention": 0.2}}
+    assert mfu_text(row) == ("; MFU flat 0.094, carry 0.080 (6 N per executed row), flat 0.161, carry 0.200 with "
+                             "attention's products")
+    assert mfu_text({"flat": {"seconds": 2.0}}) == ""
