@@ -4,7 +4,8 @@
 
 One process, one model (random init), full-layer activation recomputation unless `--recompute` names other options
 (none, full, selective ones; several run one after the other: a table each, then seconds and peak GiB of every
-option and mode side by side), the same kernels in every mode
+option and mode side by side; `--compare-rowwise` runs each option with the reference row-wise ops and then with
+the fused kernels), the same kernels in every mode
 (`--modes`, default all three, timed one after the other in one run):
 - flat (the baseline): trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit
   in input order, no sharing), flat packed varlen forward, log-probs, loss, backward;
@@ -48,6 +49,7 @@ from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
+from models.ops.dispatch import set_fused_rowwise
 from models.presets import preset
 from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
@@ -414,9 +416,9 @@ def _cell(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(rows: list[dict], header: dict, recompute: str) -> None:
+def print_table(rows: list[dict], header: dict, run: str) -> None:
     print(f"model {header['model']} ({header['active_params'] / 1e6:.0f}M active params/token), {header['dtype']} "
-          f"on {header['device_name']}, capacity {header['capacity']}, recompute {recompute}, attention "
+          f"on {header['device_name']}, capacity {header['capacity']}, {run}, attention "
           f"{header['attention']}, modes {','.join(header['modes'])}")
     cols = ["workload", "S", "C", "compr", "attn cmp", "flat s", "tree s", "carry s", "plan s", "F/B/G x", "x/compr",
             "Core x", "carry x", "exec/trie", "flat GiB", "tree GiB", "carry GiB", "flat MFU", "auto x"]
@@ -478,14 +480,24 @@ def mfu_text(row: dict) -> str:
             + ", ".join(f"{mode} {m['mfu_attention']:.3f}" for mode, m in modes) + " with attention's products")
 
 
-def print_recompute_summary(rows: list[dict]) -> None:
-    """One line per `--recompute` option and workload: each mode's seconds and peak GiB."""
-    print("recompute options: seconds / peak GiB per mode")
-    print(" ".join(f"{c:>13}" for c in ["workload", *MODE_KEYS]) + " recompute")
+def run_variants(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """The runs of one invocation, in order: (recompute option, fused row-wise kernels, label) for each `--recompute`
+    option, once with the chosen row-wise kernels, or with the references and then fused under
+    `--compare-rowwise`."""
+    rowwise = [False, True] if args.compare_rowwise else [args.fused_rowwise]
+    return [(text, fused, f"recompute {text}" + (f", {'fused' if fused else 'reference'} row-wise"
+                                                  if args.compare_rowwise else ""))
+            for fused in rowwise for text in args.recompute]
+
+
+def print_run_summary(rows: list[dict]) -> None:
+    """One line per run (recompute option, row-wise kernels) and workload: each mode's seconds and peak GiB."""
+    print("runs: seconds / peak GiB per mode")
+    print(" ".join(f"{c:>13}" for c in ["workload", *MODE_KEYS]) + " run")
     for r in rows:
         cells = [f"{_cell(r.get(k, {}).get('seconds'), '.2f')} / {_cell(r.get(k, {}).get('peak_gib'), '.1f')}"
                  for k in MODE_KEYS]
-        print(" ".join(f"{v:>13}" for v in [r["workload"], *cells]) + " " + r["recompute"])
+        print(" ".join(f"{v:>13}" for v in [r["workload"], *cells]) + " " + r["run"])
 
 
 def recompute_option(text: str) -> str:
@@ -539,7 +551,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write results to this file")
     add_kernel_cache_option(parser)
     add_kernel_choice_options(parser)
+    parser.add_argument("--compare-rowwise", action="store_true",
+                        help="run every --recompute option twice, side by side: with the reference row-wise ops, "
+                             "then with the fused kernels (cuda)")
     args = parser.parse_args(argv)
+    if args.compare_rowwise and args.fused_rowwise:
+        parser.error("--compare-rowwise runs both row-wise paths; leave out --fused-rowwise")
     check_kernel_choice(parser, args, args.attention == "branch" and bool({"duplicate", "carry"} & set(args.modes)))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -557,9 +574,12 @@ def main(argv=None) -> int:
     if args.low_paths:
         workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
     rows, costs = [], []
-    for index, text in enumerate(args.recompute):
-        print(f"recompute {text}", file=sys.stderr, flush=True)
+    variants = run_variants(args)
+    for index, (text, fused, label) in enumerate(variants):
+        print(f"run {label}", file=sys.stderr, flush=True)
         model.set_activation_checkpointing(parse_recompute_option(text))
+        if device.type == "cuda":
+            set_fused_rowwise(fused)
         measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
         cost = None
         if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
@@ -568,21 +588,21 @@ def main(argv=None) -> int:
                 row["auto"] = run_auto(state, cost, model, args, device)
                 row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
         for row, _ in measured:
-            rows.append({**row, "recompute": text, "recompute_index": index})
+            rows.append({**row, "recompute": text, "fused_rowwise": fused, "run": label, "run_index": index})
         costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
-        "fused_rowwise": args.fused_rowwise, "attention_backend": args.attention_backend,
+        "fused_rowwise": sorted({fused for _, fused, _ in variants}), "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": costs,
         "command": "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    for index, (text, cost) in enumerate(zip(args.recompute, costs)):
-        print_table([r for r in rows if r["recompute_index"] == index], {**header, "cost_model": cost}, text)
-    if len(args.recompute) > 1:
-        print_recompute_summary(rows)
+    for index, ((_, _, label), cost) in enumerate(zip(variants, costs)):
+        print_table([r for r in rows if r["run_index"] == index], {**header, "cost_model": cost}, label)
+    if len(variants) > 1:
+        print_run_summary(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "results": rows}, f, indent=1)

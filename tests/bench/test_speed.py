@@ -79,9 +79,33 @@ def test_recompute_options_side_by_side(tmp_path, capsys):
     assert [row["recompute"] for row in r["results"]] == options
     assert all(row["flat"]["seconds"] > 0 and row["tree"]["seconds"] > 0 for row in r["results"])
     printed = capsys.readouterr().out
-    assert "recompute options: seconds / peak GiB per mode" in printed
+    assert "runs: seconds / peak GiB per mode" in printed
     for option in options:
-        assert f"recompute {option}, attention" in printed and printed.count(f" {option}\n") == 1
+        assert f"recompute {option}, attention" in printed and printed.count(f" recompute {option}\n") == 1
+
+
+def test_compare_rowwise_runs_each_option_with_both_row_wise_paths(tmp_path, capsys):
+    """Reference first, then fused, per recompute option (on the CPU both run the references: the switch only
+    takes CUDA tensors)."""
+    out = tmp_path / "speed.json"
+    assert main(["--model", "tiny-kimi-linear", "--dtype", "float32", "--device", "cpu", "--scale", "0.002",
+                 "--token-scale", "0.02", "--capacity", "4096", "--low-paths", "0", "--modes", "flat",
+                 "--warmup", "0", "--repeat", "1", "--recompute", "none", "full", "--compare-rowwise",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(row["recompute"], row["fused_rowwise"]) for row in r["results"]] == [
+        ("none", False), ("full", False), ("none", True), ("full", True)]
+    assert r["header"]["fused_rowwise"] == [False, True]
+    printed = capsys.readouterr().out
+    for run in ["recompute none, reference row-wise", "recompute full, fused row-wise"]:
+        assert f"{run}, attention" in printed and printed.count(f" {run}\n") == 1
+
+
+def test_compare_rowwise_refuses_a_single_row_wise_choice(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--compare-rowwise", "--fused-rowwise"])
+    assert exit_.value.code == 2
+    assert "leave out --fused-rowwise" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option, message", [
