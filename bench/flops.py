@@ -3,8 +3,9 @@ full attention's score and value products, which grow with the context a row see
 
 `6 N` per row (forward 2 N, backward 4 N) is the convention the issue's MFU uses. Attention adds, per causal
 query-key pair and full-attention layer, 2 H (d_qk + d_v) FLOPs forward and twice that backward: 6 H (d_qk + d_v).
-That is the per-pair form of the `12 l h q t` per token that PaLM and torchtitan add to `6 N` (with d_qk = d_v = q;
-they count all t keys of a length-t sequence, where the pairs here are each row against its ancestors and itself).
+That is the per-pair form of the `6 l h (d_qk + d_v) t` per token that torchtitan adds to `6 N` (PaLM's `12 l h q t`
+with d_qk = d_v = q); they count all t keys of a length-t sequence, where the pairs here are each row against its
+ancestors and itself.
 Neither term counts recomputation, linear attention's chunk products, norms or routing. MFU is model FLOPs per
 second over the dense bf16 peak.
 """
@@ -37,12 +38,11 @@ def attention_flops_per_pair(config: ModelConfig) -> int:
     """Forward and backward FLOPs of one causal query-key pair, summed over the model's full-attention layers:
     6 H (d_qk + d_v) per layer (scores Q K^T and the value product P V, backward twice the forward)."""
     layers = sum(kind == "full_attention" for kind in config.layer_types)
-    attention = config.full_attention
     if layers == 0:
         return 0
+    attention = config.full_attention
     if isinstance(attention, MLAConfig):
-        heads, d_qk, d_v = attention.num_heads, attention.qk_nope_head_dim + attention.qk_rope_head_dim, \
-            attention.v_head_dim
+        heads, d_qk, d_v = attention.num_heads, attention.qk_head_dim, attention.v_head_dim
     elif isinstance(attention, GatedAttentionConfig):
         heads, d_qk, d_v = attention.num_heads, attention.head_dim, attention.head_dim
     else:

@@ -295,7 +295,8 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         row["carry"] = {**results["carry"], "executed_rows": executed, "trie_rows": cplan.trie_compact_tokens,
                         "executed_over_trie": executed / cplan.trie_compact_tokens,
                         "planning_seconds": carry_plan_seconds, "semantic_tokens_per_s": S / carry_s,
-                        **utilisation(executed, tree_pairs(pack(trajectories)), carry_s)}
+                        **utilisation(executed, sum(tree_pairs(pack([trajectories[i] for i in tree]))
+                                                    for tree in cplan.trees), carry_s)}
         row["carry_speedup"] = flat_s / carry_s if flat_s is not None else None
         carried = per_mb["carry"][1]
         state["carry_samples"] = [(executed, sum(view_rows(mb) for mb in carried),
@@ -557,6 +558,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.compare_rowwise and args.fused_rowwise:
         parser.error("--compare-rowwise runs both row-wise paths; leave out --fused-rowwise")
+    if args.compare_rowwise and args.device != "cuda":
+        parser.error("--compare-rowwise needs --device cuda: off CUDA every run takes the reference row-wise ops")
     check_kernel_choice(parser, args, args.attention == "branch" and bool({"duplicate", "carry"} & set(args.modes)))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -593,7 +596,8 @@ def main(argv=None) -> int:
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
-        "fused_rowwise": sorted({fused for _, fused, _ in variants}), "attention_backend": args.attention_backend,
+        "fused_rowwise": args.fused_rowwise, "compare_rowwise": args.compare_rowwise,
+        "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": costs,

@@ -24,9 +24,10 @@ _fused_rowwise = False
 def set_fused_rowwise(enabled: bool) -> None:
     """Turn the fused row-wise paths (issue #20: `rmsnorm`, `glu`, `gate`, `combine`) on or off for this process.
 
-    Off by default: their accuracy against the references is measured on the H200 for RMSNorm only, and the bf16
-    tree-vs-flat fidelity (`bench.fidelity --per-layer`) has not been measured with them yet (bench/RESULTS.md,
-    session 7). The RL job sets it from `train.fused_rowwise`, the benchmarks from `--fused-rowwise`."""
+    Off by default until every CUDA test of them has passed on the H200: 45 of the 49 cases of
+    tests/models/ops/test_rowwise_cuda.py have (the 4 RMSNorm row-independence cases have not run), and the bf16
+    tree-vs-flat fidelity (`bench.fidelity --per-layer --fused-rowwise`) is bitwise (bench/RESULTS.md, session 11).
+    The RL job sets it from `train.fused_rowwise`, the benchmarks from `--fused-rowwise`."""
     global _fused_rowwise
     _fused_rowwise = bool(enabled)
 

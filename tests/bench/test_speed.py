@@ -1,11 +1,12 @@
 """bench.speed end to end on CPU with a tiny model: both workloads, all three modes, the fitted cost model and auto
 mode; `--modes` skipping the duplicate plan on a step whose tree carry splits over microbatches."""
 
+import argparse
 import json
 
 import pytest
 
-from bench.speed import carry_context_cost, main, mfu_text
+from bench.speed import carry_context_cost, main, mfu_text, run_variants
 
 
 def test_speed_runs_and_reports(tmp_path, capsys):
@@ -84,28 +85,24 @@ def test_recompute_options_side_by_side(tmp_path, capsys):
         assert f"recompute {option}, attention" in printed and printed.count(f" recompute {option}\n") == 1
 
 
-def test_compare_rowwise_runs_each_option_with_both_row_wise_paths(tmp_path, capsys):
-    """Reference first, then fused, per recompute option (on the CPU both run the references: the switch only
-    takes CUDA tensors)."""
-    out = tmp_path / "speed.json"
-    assert main(["--model", "tiny-kimi-linear", "--dtype", "float32", "--device", "cpu", "--scale", "0.002",
-                 "--token-scale", "0.02", "--capacity", "4096", "--low-paths", "0", "--modes", "flat",
-                 "--warmup", "0", "--repeat", "1", "--recompute", "none", "full", "--compare-rowwise",
-                 "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert [(row["recompute"], row["fused_rowwise"]) for row in r["results"]] == [
-        ("none", False), ("full", False), ("none", True), ("full", True)]
-    assert r["header"]["fused_rowwise"] == [False, True]
-    printed = capsys.readouterr().out
-    for run in ["recompute none, reference row-wise", "recompute full, fused row-wise"]:
-        assert f"{run}, attention" in printed and printed.count(f" {run}\n") == 1
+def test_compare_rowwise_runs_each_option_with_the_references_then_fused():
+    args = argparse.Namespace(recompute=["none", "full"], compare_rowwise=True, fused_rowwise=False)
+    assert run_variants(args) == [
+        ("none", False, "recompute none, reference row-wise"), ("full", False, "recompute full, reference row-wise"),
+        ("none", True, "recompute none, fused row-wise"), ("full", True, "recompute full, fused row-wise")]
+    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, fused_rowwise=True)
+    assert run_variants(args) == [("full", True, "recompute full")]
 
 
-def test_compare_rowwise_refuses_a_single_row_wise_choice(capsys):
+@pytest.mark.parametrize("extra, message", [
+    (["--device", "cuda", "--fused-rowwise"], "leave out --fused-rowwise"),
+    (["--device", "cpu"], "--compare-rowwise needs --device cuda"),
+])
+def test_compare_rowwise_refuses_what_it_cannot_compare(capsys, extra, message):
     with pytest.raises(SystemExit) as exit_:
-        main(["--compare-rowwise", "--fused-rowwise"])
+        main(["--compare-rowwise", *extra])
     assert exit_.value.code == 2
-    assert "leave out --fused-rowwise" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option, message", [
