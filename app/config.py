@@ -215,8 +215,9 @@ class TrainConfig:
     (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
     fused_rowwise: bool = False
     """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
-    Triton kernels (models/ops, `set_fused_rowwise`) instead of their plain-torch references. Experimental, off by
-    default until the bf16 tree-vs-flat fidelity is measured with them (bench/RESULTS.md). CPU jobs ignore it."""
+    Triton kernels (models/ops, `set_fused_rowwise`) instead of their plain-torch references. Off by default
+    until every CUDA test of them has passed on the H200 (45 of 49 have; their bf16 tree-vs-flat fidelity is bitwise
+    and they made a SWE step 12-16% faster: bench/RESULTS.md, session 11). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):
