@@ -9,6 +9,15 @@ import torch
 from models.ops.delta_rule.fla_args import fla_delta_rule_kwargs
 
 FLA_KDA_CHUNK_SIZES = (32, 64)
+FLA_KDA_MAX_HEAD_DIM = 256
+
+
+def check_fla_kda_limits(chunk_size: int, head_dim: int) -> None:
+    """fla's KDA kernels take chunk sizes 32 and 64 and head dims K up to 256 (the plain path and the round path)."""
+    if chunk_size not in FLA_KDA_CHUNK_SIZES:
+        raise ValueError(f"`chunk_size` must be one of {FLA_KDA_CHUNK_SIZES} on the fla KDA path, got {chunk_size!r}")
+    if head_dim > FLA_KDA_MAX_HEAD_DIM:
+        raise ValueError(f"the fla KDA path needs head dim K <= {FLA_KDA_MAX_HEAD_DIM}, got K={head_dim}")
 
 
 def chunk_kda(
@@ -29,10 +38,7 @@ def chunk_kda(
     Gates and beta arrive activated and q/k normalised, so every in-kernel activation flag stays off; states are
     K-first `[N, HV, K, V]` fp32 (`models.ops.delta_rule.fla_args`). fla is imported here (a slow import).
     """
-    if chunk_size not in FLA_KDA_CHUNK_SIZES:
-        raise ValueError(f"`chunk_size` must be one of {FLA_KDA_CHUNK_SIZES} on the fla KDA path, got {chunk_size!r}")
-    if q.dim() == 4 and q.shape[-1] > 256:
-        raise ValueError(f"the fla KDA path needs head dim K <= 256, got K={q.shape[-1]}")
+    check_fla_kda_limits(chunk_size, q.shape[-1] if q.dim() == 4 else 0)
     kwargs = fla_delta_rule_kwargs(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
         per_channel_gate=True,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.ops.delta_rule.partition import check_delta_rule_shapes
-from models.ops.kda.chunk import FLA_KDA_CHUNK_SIZES
+from models.ops.kda.chunk import check_fla_kda_limits
 
 if TYPE_CHECKING:
     from models.tree.layout import CoreRound
@@ -159,12 +159,11 @@ def fla_kda_round(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         initial_state: `[N_0, HV, K, V]` fp32 state of each of the round's sequences, None = zeros.
     Returns: (o `[T, HV, V]` in v's dtype, the final state of every piece `[P, HV, K, V]` fp32, call after call).
     """
-    if chunk_size not in FLA_KDA_CHUNK_SIZES or chunk_size != rnd.chunk_size:
+    if chunk_size != rnd.chunk_size:
         raise ValueError(f"the round is planned for chunk size {rnd.chunk_size} and the mixer runs {chunk_size}; "
-                         f"the fla KDA path needs them equal and one of {FLA_KDA_CHUNK_SIZES}")
+                         "the fla KDA path needs them equal")
+    check_fla_kda_limits(chunk_size, q.shape[-1])
     q, k, v_, g, beta = (t[None].contiguous() for t in (q, k, v, g, beta))
-    if q.shape[-1] > 256:
-        raise ValueError(f"the fla KDA path needs head dim K <= 256, got K={q.shape[-1]}")
     check_delta_rule_shapes(q, k, v_, g, beta, initial_state, rnd.calls[0].cu_seqlens_cpu.numel() - 1, True)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o, finals = KDARoundFunction.apply(q, k, v_, g, beta, h0, rnd, q.shape[-1] ** -0.5)

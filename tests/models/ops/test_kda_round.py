@@ -82,6 +82,23 @@ def test_round_layout_refuses_a_piece_that_does_not_continue_its_sequence():
         CoreRound.build(calls, B)
 
 
+@pytest.mark.parametrize("planned, runs, head_dim, message", [
+    (B, 32, 128, "planned for chunk size 64 and the mixer runs 32"),
+    (16, 16, 128, "`chunk_size` must be one of"),
+    (B, B, 320, "head dim K <= 256"),
+])
+def test_fla_round_refuses_what_fla_cannot_run(planned, runs, head_dim, message):
+    """The round path checks the limits the plain fla path checks (`check_fla_kda_limits`), and that the round
+    was planned for the mixer's chunk size, before any kernel."""
+    from models.ops.kda.round import fla_kda_round
+
+    rnd = CoreRound.build(round_calls(ROUNDS["single call"]), planned)
+    T = sum(rnd.call_rows)
+    q = torch.zeros(T, 2, head_dim)
+    with pytest.raises(ValueError, match=message):
+        fla_kda_round(q, q, torch.zeros(T, 2, 8), q, torch.zeros(T, 2), rnd, None, runs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
 @pytest.mark.parametrize("zero_start", [False, True])
