@@ -213,11 +213,11 @@ class TrainConfig:
     models/ops/kernel_cache.py), reused by later runs: the first step of a run on an empty folder compiles and
     autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside `checkpoint.dir`
     (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
-    fused_rowwise: bool = False
+    fused_rowwise: bool = True
     """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
-    Triton kernels (models/ops, `set_fused_rowwise`) instead of their plain-torch references. Off by default
-    until every CUDA test of them has passed on the H200 (45 of 49 have; their bf16 tree-vs-flat fidelity is bitwise
-    and they made a SWE step 12-16% faster: bench/RESULTS.md, session 11). CPU jobs ignore it."""
+    Triton kernels (models/ops, `set_fused_rowwise`); false = their plain-torch references. On by default: every
+    CUDA test of them has passed on the H200, their bf16 tree log-probs are bitwise equal to flat, and they made a SWE
+    step 12-16% faster and 5 GiB lighter (bench/RESULTS.md, session 11). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

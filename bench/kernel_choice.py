@@ -1,4 +1,4 @@
-"""The benchmarks' choice of GPU kernels: `--fused-rowwise` and `--attention-backend` (models.ops.dispatch), used
+"""The benchmarks' choice of GPU kernels: `--reference-rowwise` and `--attention-backend` (models.ops.dispatch), used
 identically by the flat and tree sides of a run (`bench.speed`, `bench.fidelity`)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ __all__ = ["add_kernel_choice_options", "check_kernel_choice", "use_kernel_choic
 
 
 def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fused-rowwise", action="store_true",
-                        help="run the fused row-wise kernels (train.fused_rowwise; models.ops.dispatch)")
+    parser.add_argument("--reference-rowwise", action="store_true",
+                        help="run the plain-torch references of the row-wise ops instead of their fused kernels "
+                             "(train.fused_rowwise = false; models.ops.dispatch)")
     parser.add_argument("--attention-backend", default="flash", choices=ATTENTION_BACKENDS,
                         help="kernels of full attention, flat and tree alike "
                              "(models.ops.dispatch.set_attention_backend; cudnn: flat backward only)")
@@ -29,5 +30,5 @@ def check_kernel_choice(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 def use_kernel_choice(args: argparse.Namespace) -> None:
     """Switch this process to the chosen kernels (GPU runs, before the first forward)."""
-    set_fused_rowwise(args.fused_rowwise)
+    set_fused_rowwise(not args.reference_rowwise)
     set_attention_backend(args.attention_backend)

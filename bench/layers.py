@@ -57,7 +57,7 @@ def _reference_attention(q, k, v, mask, scale):
 @contextlib.contextmanager
 def reference_ops():
     """Route every op of the model to its plain-torch reference (the dispatchers pick the fast path on CUDA; the
-    row-wise ones only with `--fused-rowwise`)."""
+    row-wise ones unless `--reference-rowwise`)."""
     patches = [
         (models.kda.KimiDeltaAttention, "core_op", staticmethod(naive_chunk_kda)),
         (models.gdn.GatedDeltaNet, "core_op", staticmethod(naive_chunk_gdn)),
@@ -185,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=["kda", "mla", "dense", "moe"], choices=KINDS)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", help="also write the table (markdown) to this file")
-    parser.add_argument("--fused-rowwise", action="store_true",
-                        help="the fast pass also runs the fused row-wise kernels (train.fused_rowwise)")
+    parser.add_argument("--reference-rowwise", action="store_true",
+                        help="the fast pass runs the row-wise references, not their fused kernels "
+                             "(train.fused_rowwise = false)")
     args = parser.parse_args(argv)
-    set_fused_rowwise(args.fused_rowwise)
+    set_fused_rowwise(not args.reference_rowwise)
     if not torch.cuda.is_available():
         print("bench.layers needs a CUDA device", file=sys.stderr)
         return 2

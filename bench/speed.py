@@ -485,7 +485,7 @@ def run_variants(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     """The runs of one invocation, in order: (recompute option, fused row-wise kernels, label) for each `--recompute`
     option, once with the chosen row-wise kernels, or with the references and then fused under
     `--compare-rowwise`."""
-    rowwise = [False, True] if args.compare_rowwise else [args.fused_rowwise]
+    rowwise = [False, True] if args.compare_rowwise else [not args.reference_rowwise]
     return [(text, fused, f"recompute {text}" + (f", {'fused' if fused else 'reference'} row-wise"
                                                   if args.compare_rowwise else ""))
             for fused in rowwise for text in args.recompute]
@@ -556,8 +556,8 @@ def main(argv=None) -> int:
                         help="run every --recompute option twice, side by side: with the reference row-wise ops, "
                              "then with the fused kernels (cuda)")
     args = parser.parse_args(argv)
-    if args.compare_rowwise and args.fused_rowwise:
-        parser.error("--compare-rowwise runs both row-wise paths; leave out --fused-rowwise")
+    if args.compare_rowwise and args.reference_rowwise:
+        parser.error("--compare-rowwise runs both row-wise paths; leave out --reference-rowwise")
     if args.compare_rowwise and args.device != "cuda":
         parser.error("--compare-rowwise needs --device cuda: off CUDA every run takes the reference row-wise ops")
     check_kernel_choice(parser, args, args.attention == "branch" and bool({"duplicate", "carry"} & set(args.modes)))
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
-        "fused_rowwise": args.fused_rowwise, "compare_rowwise": args.compare_rowwise,
+        "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
         "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),

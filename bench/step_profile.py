@@ -4,7 +4,7 @@ kernels that take the most time (issue 7, item 5).
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
                                  [--attention branch] [--modes flat,tree,duplicate,carry]
                                  [--recompute none|full|selective[:key=value,...]] [--json F]
-                                 [--host N] [--fused-rowwise] [--attention-backend flash|cudnn]
+                                 [--host N] [--reference-rowwise] [--attention-backend flash|cudnn]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
@@ -21,7 +21,7 @@ gaps between kernels with the host ops at their ends), and `models.tree.regions`
 (branch view gathers, flash calls and scatter-adds, row gathers, carried context) costs on the device.
 `--recompute` picks the activation recomputation of every mode (default full, as bench.speed). `--host N` also runs
 each mode once under cProfile and prints its N functions with the most host time (`bench.host_time`).
-`--fused-rowwise` and `--attention-backend` pick the kernels of every mode, as in bench.speed (`bench.kernel_choice`).
+`--reference-rowwise` and `--attention-backend` pick the kernels of every mode, as in bench.speed (`bench.kernel_choice`).
 """
 
 from __future__ import annotations

@@ -86,16 +86,18 @@ def test_recompute_options_side_by_side(tmp_path, capsys):
 
 
 def test_compare_rowwise_runs_each_option_with_the_references_then_fused():
-    args = argparse.Namespace(recompute=["none", "full"], compare_rowwise=True, fused_rowwise=False)
+    args = argparse.Namespace(recompute=["none", "full"], compare_rowwise=True, reference_rowwise=False)
     assert run_variants(args) == [
         ("none", False, "recompute none, reference row-wise"), ("full", False, "recompute full, reference row-wise"),
         ("none", True, "recompute none, fused row-wise"), ("full", True, "recompute full, fused row-wise")]
-    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, fused_rowwise=True)
+    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, reference_rowwise=False)
     assert run_variants(args) == [("full", True, "recompute full")]
+    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, reference_rowwise=True)
+    assert run_variants(args) == [("full", False, "recompute full")]
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--device", "cuda", "--fused-rowwise"], "leave out --fused-rowwise"),
+    (["--device", "cuda", "--reference-rowwise"], "leave out --reference-rowwise"),
     (["--device", "cpu"], "--compare-rowwise needs --device cuda"),
 ])
 def test_compare_rowwise_refuses_what_it_cannot_compare(capsys, extra, message):

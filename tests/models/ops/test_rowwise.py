@@ -4,6 +4,10 @@ in float64, and they equal transformers' modules (and the code they replaced) bi
 Tolerances: same operation order: bitwise (fp32 and bf16).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,11 +124,16 @@ def test_kda_decay_reference_equals_the_replaced_code(dtype, monkeypatch):
     assert torch.equal(kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
 
 
-def test_fused_rowwise_is_opt_in(monkeypatch):
-    """The fused paths run only once switched on, and only on tensors the kernels take."""
+def test_fused_rowwise_is_the_default_and_can_be_switched_off(monkeypatch):
+    """The fused paths run by default, not once switched off, and only on tensors the kernels take."""
+    fresh = subprocess.run([sys.executable, "-c", "import models.ops.dispatch as d; print(d._fused_rowwise)"],
+                           capture_output=True, text=True, check=True, cwd=Path(__file__).parents[3])
+    assert fresh.stdout.strip() == "True"
     x = torch.ones(2, 3)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
-    monkeypatch.setattr(dispatch, "_fused_rowwise", False)
+    monkeypatch.setattr(dispatch, "_fused_rowwise", True)
+    assert dispatch.use_fused_rowwise(x)
+    dispatch.set_fused_rowwise(False)
     assert not dispatch.use_fused_rowwise(x)
     dispatch.set_fused_rowwise(True)
     assert dispatch.use_fused_rowwise(x)
