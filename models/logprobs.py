@@ -25,10 +25,25 @@ import torch
 
 from models.dtypes import upcast
 
-__all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs"]
+__all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs", "whole_chunks"]
 
 #: Bytes of fp32 vocabulary-sized scratch (logits and probabilities of one chunk) when chunk_rows is not given.
 CHUNK_BUDGET_BYTES = 512 * 2**20
+#: The most rows of one chunk when chunk_rows is not given (small vocabularies: on CUDA every chunk is full, below).
+MAX_CHUNK_ROWS = 4096
+
+
+def whole_chunks(rows_U: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Used rows `[U]` -> `[ceil(U / chunk_rows) * chunk_rows]`: padded with copies of the last one.
+
+    On CUDA a chunk's GEMM and its reductions over the vocabulary pick their kernels and split their sums by the
+    chunk's shape, so with a shorter last chunk a row's log-prob could depend on how many rows share its chunk, and
+    tree and flat microbatches fill chunks differently (the same reason `models.moe.router_logits` runs one GEMM
+    shape). With every chunk full, and each target logit read from its chunk's logits, a row's log-prob does not
+    depend on the other rows of the call. No prediction reads a copy, so copies get no gradient.
+    """
+    short = -rows_U.numel() % chunk_rows
+    return torch.cat((rows_U, rows_U[-1:].expand(short))) if short else rows_U
 
 
 class VocabShards:
@@ -110,6 +125,14 @@ def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk
     return out, torch.where(valid, ent_C[rows], torch.zeros((), dtype=ent_C.dtype))
 
 
+def _predictions_by_chunk(pred_row_P: torch.Tensor, U: int, chunk_rows: int) -> tuple[torch.Tensor, list[int]]:
+    """Predictions `[P]` (indices into the U used rows) sorted by row, `[P]`, and the bounds of chunk i's
+    predictions in that order, `bounds[i]:bounds[i + 1]` (one searchsorted, one host sync for all chunks)."""
+    order = torch.argsort(pred_row_P, stable=True)
+    starts = torch.arange(0, U + chunk_rows, chunk_rows, device=pred_row_P.device).clamp(max=U)
+    return order, torch.searchsorted(pred_row_P[order], starts).tolist()
+
+
 class CompactLogprobsFunction(torch.autograd.Function):
     """Chunked log-softmax gather over the used rows `rows_U` with this shard's LM head `weight_VD`. Predictions
     are `pred_row_P` (index into rows_U) with targets `local_target_P` (rows of weight_VD), held by this shard where
@@ -122,9 +145,14 @@ class CompactLogprobsFunction(torch.autograd.Function):
         U = rows_U.numel()
         lse_U = torch.empty(U, dtype=cdt, device=hidden_CD.device)
         ent_U = torch.empty(U, dtype=cdt, device=hidden_CD.device) if with_entropy else None
-        for a in range(0, U, chunk_rows):
+        tgt_P = torch.empty(pred_row_P.shape, dtype=cdt, device=hidden_CD.device)
+        order, bounds = _predictions_by_chunk(pred_row_P, U, chunk_rows)
+        for i, a in enumerate(range(0, U, chunk_rows)):
             b = min(a + chunk_rows, U)
             logits_RV = _mm(hidden_CD[rows_U[a:b]], weight_VD.T, cdt)
+            # Target logits from the very logits the log-sum-exp sums (one GEMM shape per chunk).
+            sel = order[bounds[i] : bounds[i + 1]]
+            tgt_P[sel] = logits_RV[pred_row_P[sel] - a, local_target_P[sel]]
             max_R = logits_RV.amax(dim=-1)
             shards.max_(max_R)
             shifted_RV = logits_RV.sub_(max_R[:, None])
@@ -139,13 +167,12 @@ class CompactLogprobsFunction(torch.autograd.Function):
             lse_U[a:b] = max_R + log_z_R
             if with_entropy:
                 ent_U[a:b] = log_z_R - sums[1] / sums[0]
-        # Target logits: one dot product per prediction, no vocabulary-sized tensor.
-        tgt_P = (hidden_CD[rows_U[pred_row_P]].to(cdt) * weight_VD[local_target_P].to(cdt)).sum(-1)
         if held_P is not None:
             tgt_P = tgt_P.masked_fill(~held_P, 0)
         shards.sum_(tgt_P)
-        ctx.save_for_backward(hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U)
+        ctx.save_for_backward(hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U, order)
         ctx.chunk_rows = chunk_rows
+        ctx.bounds = bounds
         ctx.with_entropy = with_entropy
         logprob_P = tgt_P - lse_U[pred_row_P]
         if with_entropy:
@@ -154,7 +181,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogprob_P, dentropy_P=None):
-        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U = ctx.saved_tensors
+        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, lse_U, ent_U, order = ctx.saved_tensors
         cdt = lse_U.dtype
         U = rows_U.numel()
         dlogprob_P = dlogprob_P.to(cdt)
@@ -169,11 +196,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
         dweight_VD = None
         if ctx.needs_input_grad[1]:
             dweight_VD = torch.zeros(weight_VD.shape, dtype=cdt, device=weight_VD.device)
-        # Predictions sorted by row so each chunk finds its targets with one searchsorted.
-        order = torch.argsort(pred_row_P, stable=True)
-        sorted_rows = pred_row_P[order]
-        starts = torch.arange(0, U + ctx.chunk_rows, ctx.chunk_rows, device=sorted_rows.device).clamp(max=U)
-        bounds = torch.searchsorted(sorted_rows, starts).tolist()  # one host sync for all chunks
+        bounds = ctx.bounds
         for i, a in enumerate(range(0, U, ctx.chunk_rows)):
             b = min(a + ctx.chunk_rows, U)
             h = hidden_CD[rows_U[a:b]]
@@ -195,21 +218,25 @@ class CompactLogprobsFunction(torch.autograd.Function):
 
 
 def sharded_compact_logprobs(
-    hidden_CD, weight_VD, logit_row_S, target_S, shards: VocabShards, *, chunk_rows=None, entropy=False
+    hidden_CD, weight_VD, logit_row_S, target_S, shards: VocabShards, *, chunk_rows=None, entropy=False,
+    full_chunks=None,
 ):
     """`compact_logprobs` with `weight_VD` this shard's LM-head rows of the split `shards` (targets are global ids;
     the default `chunk_rows` budgets [rows, V] chunks of this shard). Every shard must make the call with the same
     `hidden_CD`, `logit_row_S` and `target_S`; results are identical on all of them, and the gradient of
-    `hidden_CD` is this shard's part (the caller sums it over shards)."""
+    `hidden_CD` is this shard's part (the caller sums it over shards). `full_chunks` (bool or None): run every
+    chunk with exactly `chunk_rows` rows (`whole_chunks`); None = on CUDA (tests force it on the CPU)."""
     V = weight_VD.shape[0]
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, shards.vocab_size(V))
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_BUDGET_BYTES // (2 * 4 * V))
+        chunk_rows = max(1, min(CHUNK_BUDGET_BYTES // (2 * 4 * V), MAX_CHUNK_ROWS))
     if chunk_rows < 1:
         raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
     cdt = upcast(hidden_CD.dtype)
     valid = logit_row_S >= 0
     rows_U, pred_row_P = torch.unique(logit_row_S[valid], return_inverse=True)
+    if hidden_CD.is_cuda if full_chunks is None else full_chunks:
+        rows_U = whole_chunks(rows_U, int(chunk_rows))
     local_target_P, held_P = shards.local_targets(target_S[valid], V)
     result = CompactLogprobsFunction.apply(
         hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, int(chunk_rows), bool(entropy), shards
@@ -234,7 +261,9 @@ def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=
         logit_row_S: [S] int64, the row whose logits predict position s (-1: position predicts nothing, e.g. the first
             token of a trajectory; its output is 0 and carries no gradient).
         target_S: [S] int64, the token id at position s.
-        chunk_rows: rows per vocabulary-sized chunk; default keeps the fp32 scratch near 512 MiB.
+        chunk_rows: rows per vocabulary-sized chunk; default keeps the fp32 scratch near 512 MiB (at most 4,096 rows).
+            On CUDA every chunk runs with exactly this many rows (`whole_chunks`: a given value sets the scratch
+            memory, [chunk_rows, V] fp32), so a row's log-prob does not depend on the other rows of the call.
         entropy: also return the entropy of each position's predictive distribution.
     Returns:
         logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested. Rows that no position reads are

@@ -33,7 +33,8 @@ class PlainRunner:
         dp_group: the data-parallel group (`meshes.dp.get_group()`), used to check that replicas run equally many
             microbatches; None for a single process.
         attention_backend: tree full-attention backend ("dense", "flex", "branch"; see models.tree.attention).
-        chunk_rows: rows per vocabulary chunk of the log-probs (default: ~512 MiB of fp32 scratch).
+        chunk_rows: rows per vocabulary chunk of the log-probs (`models.logprobs.compact_logprobs`; default: ~512 MiB
+            of fp32 scratch, at most 4,096 rows).
     """
 
     def __init__(self, model: HybridForCausalLM, *, dp_group: dist.ProcessGroup | None = None,

@@ -53,7 +53,8 @@ def vocab_parallel_compact_logprobs(
         logit_row_S, target_S: [S] int64 as in `compact_logprobs` (-1 rows predict nothing; targets are global ids).
         vocab_start: first vocabulary id of this rank's shard.
         group: the tensor-parallel process group.
-        chunk_rows: rows per chunk of [rows, Vl] logits; default keeps the fp32 scratch near 512 MiB.
+        chunk_rows: rows per chunk of [rows, Vl] logits, as in `models.logprobs.compact_logprobs` (default: fp32
+            scratch near 512 MiB, at most 4,096 rows; on CUDA every chunk has exactly this many).
         entropy: also return the entropy of each position's predictive distribution (over the whole vocabulary).
     Returns: logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested; identical on all ranks.
     Reference: `models.logprobs.compact_logprobs` on the gathered LM head.
