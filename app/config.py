@@ -216,8 +216,8 @@ class TrainConfig:
     fused_rowwise: bool = True
     """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
     Triton kernels (models/ops, `set_fused_rowwise`); false = their plain-torch references. On by default: every
-    CUDA test of them has passed on the H200, their bf16 tree log-probs are bitwise equal to flat, and they made a SWE
-    step 12-16% faster and 5 GiB lighter (bench/RESULTS.md, session 11). CPU jobs ignore it."""
+    CUDA test of them passes on the H200, the bf16 tree's layer outputs stay bitwise equal to flat, and they make a
+    step faster and lighter (measurements: models/ops/README.md). CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

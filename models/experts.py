@@ -38,7 +38,7 @@ def expert_swiglu(
     x_MD: torch.Tensor, gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
     """As `naive_expert_swiglu`; on CUDA in bf16 it runs `torch._grouped_mm` (one launch per projection) and fla's
-    fused `swiglu` (once `set_fused_rowwise(True)`) on the two halves of the gate|up product (`models.ops.glu`,
+    fused `swiglu` (unless `set_fused_rowwise(False)`) on the two halves of the gate|up product (`models.ops.glu`,
     read in place)."""
     if not (x_MD.is_cuda and x_MD.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return naive_expert_swiglu(x_MD, gate_up_E2FD, down_EDF, counts_E)

@@ -10,7 +10,7 @@ from models.ops.glu import swiglu
 
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj x) * up_proj x), names as transformers' `Qwen3NextMLP` / `KimiLinearMLP`; the
-    activation product is `models.ops.glu.swiglu` (one fused pass on CUDA once `set_fused_rowwise(True)`)."""
+    activation product is `models.ops.glu.swiglu` (one fused pass on CUDA unless `set_fused_rowwise(False)`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()

@@ -183,7 +183,7 @@ class Experts(nn.Module):
         """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype.
 
         The k weighted expert outputs of a row are summed in the upcast dtype in a fixed order
-        (`models.ops.combine.moe_combine`, one fused pass on CUDA once `set_fused_rowwise(True)`): a permutation
+        (`models.ops.combine.moe_combine`, one fused pass on CUDA unless `set_fused_rowwise(False)`): a permutation
         back to (row, slot) order replaces an atomic scatter-add, so CUDA results are deterministic and bf16 rows are
         rounded once, not once per expert.
         """

@@ -14,7 +14,7 @@ from models.ops.rmsnorm import rms_norm
 
 class RMSNorm(nn.Module):
     """y = s / rms(s) * scale of s = x (+ residual), computed in fp32 (float64 for float64) and cast back to x.dtype
-    (`models.ops.rmsnorm`: a fused Triton pass on CUDA once `set_fused_rowwise(True)`, plain torch otherwise).
+    (`models.ops.rmsnorm`: a fused Triton pass on CUDA unless `set_fused_rowwise(False)`, plain torch otherwise).
 
     scale = 1 + weight with weight initialised to 0 when `zero_centered` (Qwen3-Next's `Qwen3NextRMSNorm`), else
     weight initialised to 1 (Kimi-Linear's `KimiLinearRMSNorm`, which casts before multiplying by the weight; the two

@@ -24,10 +24,10 @@ _fused_rowwise = True
 def set_fused_rowwise(enabled: bool) -> None:
     """Turn the fused row-wise paths (issue #20: `rmsnorm`, `glu`, `gate`, `combine`) on or off for this process.
 
-    On by default: all 49 cases of tests/models/ops/test_rowwise_cuda.py have passed on the H200 (sessions 11-12),
-    the bf16 tree-vs-flat fidelity with them is bitwise (`bench.fidelity --per-layer`), and they made every mode of a
-    SWE step 12-16% faster and 5 GiB lighter (bench/RESULTS.md, session 11). Off = the plain-torch references. The
-    RL job sets it from `train.fused_rowwise`, the benchmarks from `--reference-rowwise`."""
+    On by default: all 49 cases of tests/models/ops/test_rowwise_cuda.py pass on the H200, the bf16 tree's layer
+    outputs stay bitwise equal to flat (`bench.fidelity --per-layer`), and every mode runs faster (measurements:
+    models/ops/README.md). Off = the plain-torch references. The RL job sets it from `train.fused_rowwise`, the
+    benchmarks from `--reference-rowwise`."""
     global _fused_rowwise
     _fused_rowwise = bool(enabled)
 

@@ -1,4 +1,4 @@
-"""MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA once `set_fused_rowwise(True)`
+"""MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA unless `set_fused_rowwise(False)`,
 and `naive_moe_combine` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise

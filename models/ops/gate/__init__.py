@@ -1,4 +1,4 @@
-"""KDA decay gate: `kda_decay` runs fla's `fused_kda_gate` on CUDA once `set_fused_rowwise(True)` and
+"""KDA decay gate: `kda_decay` runs fla's `fused_kda_gate` on CUDA unless `set_fused_rowwise(False)`, and
 `naive_kda_decay` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise

@@ -1,5 +1,5 @@
-"""Gated linear units: `swiglu` and `sigmoid_gate` run fla's fused kernels on CUDA once
-`set_fused_rowwise(True)` and the references otherwise."""
+"""Gated linear units: `swiglu` and `sigmoid_gate` run fla's fused kernels on CUDA unless
+`set_fused_rowwise(False)`, and the references otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
 from models.ops.glu.fused import fused_sigmoid_gate, fused_swiglu

@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual): `rms_norm` runs the Triton `fused_rms_norm` on CUDA once `set_fused_rowwise(True)` and
+"""RMSNorm (+ residual): `rms_norm` runs the Triton `fused_rms_norm` on CUDA unless `set_fused_rowwise(False)`, and
 `naive_rms_norm` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
