@@ -1,7 +1,7 @@
 """Packed causal attention backends on one step's real shapes: the flat microbatch and the tree's branch views.
 
     python -m bench.attention [--seed 5] [--scale 0.01] [--capacity 65536] [--repeat 5]
-                              [--backends flash,cudnn,varlen,flex] [--model ling-3-tiny]
+                              [--backends flash,varlen,flex] [--model ling-3-tiny]
 
 Cases, from one SWE-like step (`bench.workloads.swe_like_step`):
 - flat: the fullest first-fit microbatch (`bench.speed.first_fit_flat`), causal inside each trajectory;
@@ -10,14 +10,13 @@ Cases, from one SWE-like step (`bench.workloads.swe_like_step`):
 Backends:
 - flash: torch's varlen FlashAttention-2 (`aten::_flash_attention_forward` / `_backward`), v zero-padded to the q/k
   head dim;
-- cudnn: cuDNN's ragged SDPA (`aten::_cudnn_attention_forward` / `_backward`), separate value head dim;
 - varlen: `torch.nn.attention.varlen.varlen_attn` (flat only; v padded), the public API over flash's kernels;
 - flex: compiled FlexAttention with the block mask of `models.tree.attention` (flat: a chain per trajectory;
   tree: the ancestor mask), v padded on CUDA;
 - reference (not in the default list): the float32 references (flat: `varlen_attention`'s reference kernels; tree:
   the dense mask of `models.tree.attention`), the only one that runs on CPU with backward.
-flash and cudnn run through `models.ops.dispatch.set_attention_backend`, i.e. the very calls of training (flat:
-`models.ops.varlen_attention.varlen_attention`; tree: `branch_attention`). Shapes are the model's full attention
+flash runs the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
+`branch_attention`). Shapes are the model's full attention
 (ling-3-tiny: 16 heads, q/k 192, v 128), bf16.
 
 Per case and backend: forward and forward+backward milliseconds (median of `--repeat` after one warm-up that
@@ -43,15 +42,13 @@ import torch.nn.functional as F
 from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.microbatch import prepare_microbatch
-from models.ops.dispatch import attention_backend, set_attention_backend
 from models.ops.varlen_attention import varlen_attention
-from models.ops.varlen_attention.cudnn import cudnn_unavailable
 from models.presets import preset
 from models.tree.attention import TreeAttentionLayout, tree_attention
 from models.tree.branch_attention import branch_attention
 from planner.microbatch import plan_microbatches
 
-BACKENDS = ("flash", "cudnn", "varlen", "flex")
+BACKENDS = ("flash", "varlen", "flex")
 #: What `--backends` may name: BACKENDS and the reference (O(rows^2) memory in the tree: small cases only).
 CHOICES = (*BACKENDS, "reference")
 #: Token scale of the small case whose results are compared with the float32 reference (or `--token-scale` if less).
@@ -68,7 +65,7 @@ class Case:
     queries: int
     key_rows: int
     kernels: Attention
-    """The backend of `set_attention_backend` over this case (flat: `varlen_attention`; tree: `branch_attention`)."""
+    """Training's attention over this case (flat: `varlen_attention`; tree: `branch_attention`)."""
     reference: Attention
     """Float32 reference on the case's structure."""
     flex_layout: TreeAttentionLayout
@@ -165,18 +162,7 @@ def backend_attention(name: str, case: Case, device) -> Attention:
         if case.cu is None:
             raise RuntimeError("the branch views run torch's varlen kernels through flash (same kernels as flash)")
         return _varlen_attn(case)
-    if name == "cudnn" and (reason := cudnn_unavailable()) is not None:
-        raise RuntimeError(reason)
-
-    def run(q, k, v):
-        before = attention_backend()
-        set_attention_backend(name)
-        try:
-            return case.kernels(q, k, v)
-        finally:
-            set_attention_backend(before)
-
-    return run
+    return case.kernels
 
 
 def _inputs(case: Case, shapes: Shapes, dtype, device, seed: int = 0):
@@ -246,8 +232,6 @@ def backend_note(name: str, shapes: Shapes, device) -> str:
         use_cudnn = getattr(varlen, "_should_use_cudnn", None)
         if use_cudnn is not None:
             notes.append("torch picks " + ("cudnn" if use_cudnn(device.index or 0) else "flash"))
-    if name == "cudnn":
-        notes.append(f"cuDNN {torch.backends.cudnn.version()}")
     return "; ".join(notes)
 
 

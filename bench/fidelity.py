@@ -36,7 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
 from bench.speed import recompute_option
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
@@ -484,7 +484,6 @@ def main(argv=None) -> int:
     add_kernel_cache_option(parser)
     add_kernel_choice_options(parser)
     args = parser.parse_args(argv)
-    check_kernel_choice(parser, args, args.attention == "branch")
     if args.mode == "carry" and (args.capacity is None or args.capacity < 1):
         parser.error(f"--mode carry needs --capacity T >= 1 (compact rows per microbatch), got {args.capacity}")
     if args.mode == "tree" and args.capacity is not None:

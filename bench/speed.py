@@ -43,7 +43,7 @@ import torch
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.flops import PEAK_FLOPS, active_params, attention_flops_per_pair, mfu
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
@@ -560,7 +560,6 @@ def main(argv=None) -> int:
         parser.error("--compare-rowwise runs both row-wise paths; leave out --reference-rowwise")
     if args.compare_rowwise and args.device != "cuda":
         parser.error("--compare-rowwise needs --device cuda: off CUDA every run takes the reference row-wise ops")
-    check_kernel_choice(parser, args, args.attention == "branch" and bool({"duplicate", "carry"} & set(args.modes)))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
@@ -597,7 +596,6 @@ def main(argv=None) -> int:
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
-        "attention_backend": args.attention_backend,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "active_params": active_params(model),
         "cost_model": costs,

@@ -4,7 +4,7 @@ kernels that take the most time (issue 7, item 5).
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
                                  [--attention branch] [--modes flat,tree,duplicate,carry]
                                  [--recompute none|full|selective[:key=value,...]] [--json F]
-                                 [--host N] [--reference-rowwise] [--attention-backend flash|cudnn]
+                                 [--host N] [--reference-rowwise]
 
 Takes the heaviest flat microbatch of `bench.speed`'s baseline and the first Arbor microbatch of the same SWE-like
 step, runs each twice (the first run autotunes and compiles), then once with `torch.cuda.set_sync_debug_mode("warn")`
@@ -21,7 +21,7 @@ gaps between kernels with the host ops at their ends), and `models.tree.regions`
 (branch view gathers, flash calls and scatter-adds, row gathers, carried context) costs on the device.
 `--recompute` picks the activation recomputation of every mode (default full, as bench.speed). `--host N` also runs
 each mode once under cProfile and prints its N functions with the most host time (`bench.host_time`).
-`--reference-rowwise` and `--attention-backend` pick the kernels of every mode, as in bench.speed (`bench.kernel_choice`).
+`--reference-rowwise` picks the row-wise kernels of every mode, as in bench.speed (`bench.kernel_choice`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regi
 from bench.host_time import host_profile
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, check_kernel_choice, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
 from bench.speed import (
     carry_step, first_fit_flat, flat_pairs, flat_step, heaviest, recompute_option, sync, tree_pairs, tree_step,
 )
@@ -122,7 +122,6 @@ def main(argv=None) -> int:
     unknown = sorted(set(chosen) - {"flat", "tree", "duplicate", "carry"})
     if unknown:
         parser.error(f"--modes: unknown {unknown}; choose among flat, tree, duplicate, carry")
-    check_kernel_choice(parser, args, args.attention == "branch" and bool({"tree", "duplicate", "carry"} & set(chosen)))
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     open_kernel_cache(args)

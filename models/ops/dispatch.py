@@ -35,29 +35,3 @@ def set_fused_rowwise(enabled: bool) -> None:
 def use_fused_rowwise(x: torch.Tensor) -> bool:
     """The fused row-wise path for `x`: switched on (`set_fused_rowwise`) and a tensor the kernels take."""
     return _fused_rowwise and use_fla(x)
-
-
-ATTENTION_BACKENDS = ("flash", "cudnn")
-"""Kernels of packed causal attention on CUDA in bf16/fp16 (`models.ops.varlen_attention`)."""
-
-_attention_backend = "flash"
-
-
-def set_attention_backend(name: str) -> None:
-    """Choose the packed causal attention kernels for this process: "flash" (torch's varlen FlashAttention-2, the
-    default) or "cudnn" (cuDNN's ragged SDPA through `aten::_cudnn_attention_forward` / `_backward`).
-
-    Flat execution (`models.attention_core`) and tree execution's branch views (`models.tree.branch_attention`) both
-    read it through `varlen_attention.varlen_kernels`, so a tree-vs-flat comparison runs the same kernels on both
-    sides. CPU and float32/float64 tensors always run the reference. The benchmarks set it from
-    `--attention-backend`; the RL job keeps "flash" (cuDNN's backward of the tree's views is refused:
-    `varlen_attention.cudnn.VIEWS_BACKWARD_LIMIT`)."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    global _attention_backend
-    _attention_backend = name
-
-
-def attention_backend() -> str:
-    """The backend `set_attention_backend` chose ("flash" unless set)."""
-    return _attention_backend

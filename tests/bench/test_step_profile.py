@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from bench.ceiling import KernelWork, ideal
 from bench.speed import ceiling_line, ceiling_of
-from bench.step_profile import main, overhead_line
+from bench.step_profile import overhead_line
 
 FLAT = KernelWork(rows=1000, pairs=4e5, kernel_s=3.0, flash_s=1.0)  # 2 ms per 1,000 rows + 2.5 ns per pair
 
@@ -66,10 +64,3 @@ def test_the_kernel_table_leaves_out_device_spans_of_regions():
     kept = without_annotation_spans(events)
     assert [(e.key, e.device_type) for e in kept] == [("arbor: branch view gather", DeviceType.CPU),
                                                       ("flash_fwd_kernel", DeviceType.CUDA)]
-
-
-def test_cudnn_attention_is_refused_for_the_tree_modes_before_any_work(capsys):
-    """step_profile takes bench.speed's kernel choice, with its refusal of cuDNN's backward through branch views."""
-    with pytest.raises(SystemExit):
-        main(["--modes", "flat,carry", "--attention-backend", "cudnn"])
-    assert "--attention-backend cudnn trains flat microbatches only" in capsys.readouterr().err

@@ -120,7 +120,6 @@ def test_save_groups_name_ops_of_this_torch():
 
 @pytest.mark.parametrize("group, op", [
     ("attention", torch.ops.aten._flash_attention_forward.default),
-    ("attention", torch.ops.aten._cudnn_attention_forward.default),
     ("attention", torch._higher_order_ops.flex_attention),
     ("experts", torch.ops.aten._grouped_mm.default),
     ("mm", torch.ops.aten.addmm.default),

@@ -1,23 +1,16 @@
-"""Which (forward, backward) kernel pair packed causal attention runs for a tensor: the backend chosen by
-`models.ops.dispatch.set_attention_backend` for CUDA bf16/fp16 tensors, the plain-torch reference otherwise."""
+"""Which (forward, backward) kernel pair packed causal attention runs for a tensor: torch's varlen FlashAttention-2
+for CUDA bf16/fp16 tensors, the plain-torch reference otherwise."""
 
 import torch
 
-from models.ops.dispatch import attention_backend
-from models.ops.varlen_attention.cudnn import cudnn_varlen_backward, cudnn_varlen_forward
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
-
-_FAST = {
-    "flash": (flash_varlen_forward, flash_varlen_backward),
-    "cudnn": (cudnn_varlen_forward, cudnn_varlen_backward),
-}
 
 
 def varlen_kernels(x: torch.Tensor):
     """(forward, backward) for tensors like `x`."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return _FAST[attention_backend()]
+        return flash_varlen_forward, flash_varlen_backward
     return naive_varlen_forward, naive_varlen_backward
 
 

@@ -1,6 +1,5 @@
-"""Plain-torch reference of the packed causal attention kernels in `flash.py` and `cudnn.py` (same signatures and
-layouts of q, k, v, out and their gradients; the log-sum-exp is each pair's own, passed unchanged from its forward
-to its backward: `[H, Q]` here and in flash, `[Q, H, 1]` in cuDNN).
+"""Plain-torch reference of the packed causal attention kernels in `flash.py` (same signatures and layouts of q, k,
+v, out and their gradients, and of the log-sum-exp `[H, Q]` passed unchanged from the forward to the backward).
 
 Legend: Q packed query rows, S packed key rows, N sequences, H query heads, G key/value heads (G divides H), K query/key
 head dim, V value head dim. Sequence n's queries `[cu_q[n], cu_q[n+1])` attend to its keys

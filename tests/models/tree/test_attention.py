@@ -80,7 +80,7 @@ def test_gradients_accumulate_into_shared_rows():
 @given(rollout_batches(), st.sampled_from([None, 1, 6, 20]), st.integers(0, 100), st.booleans())
 def test_branch_groups_gradients_equal_dense(trajectories, max_view_rows, seed, pad_once):
     """Grouped branch views (regathered in backward, dk/dv scatter-added over groups) vs the dense mask, with GQA and
-    a value head dim below the key head dim: unpadded (the reference and cuDNN kernels), and padded once to the key
+    a value head dim below the key head dim: unpadded (the reference kernels), and padded once to the key
     head dim before the views are gathered, as for flash's kernels (`pads_values`), with out and dv cut back."""
     batch = pack(trajectories)
     phys, layout = segment_order_layout(batch, seed, max_view_rows)
