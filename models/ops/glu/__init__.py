@@ -1,4 +1,4 @@
-"""Gated linear units: `swiglu` and `sigmoid_gate` run fla's fused kernels on CUDA unless
+"""Gated linear units: `swiglu` and `sigmoid_gate` run the fused kernels (`fused.py`) on CUDA unless
 `set_fused_rowwise(False)`, and the references otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
