@@ -1,5 +1,6 @@
-"""Which implementation an op dispatcher runs: the Triton kernels (fla's, or the project's own for RMSNorm) for CUDA
-tensors, the plain-torch reference otherwise (CPU, and float64 anywhere: the kernels are not float64).
+"""Which implementation an op dispatcher runs: the Triton kernels (fla's, or the project's own for RMSNorm, the GLUs
+and the MoE combine) for CUDA tensors, the plain-torch reference otherwise (CPU, and float64 anywhere: the kernels
+are not float64).
 
 fla memoises per-call chunk indices by the identity of `cu_seqlens` in queues of 4 entries (`FLA_TENSOR_CACHE_SIZE`);
 tree execution issues more distinct packed calls per layer than that (`models.tree.core_calls`), and every miss
