@@ -13,6 +13,9 @@ Backends:
 - varlen: `torch.nn.attention.varlen.varlen_attn` (flat only; v padded), the public API over flash's kernels;
 - flex: compiled FlexAttention with the block mask of `models.tree.attention` (flat: a chain per trajectory;
   tree: the ancestor mask), v padded on CUDA;
+- fa4 (not in the default list): FlashAttention-4's CuTe-DSL kernels (`flash_attn.cute.flash_attn_varlen_func`
+  of the flash-attn-4 package, which has Hopper forward and backward kernels; flat only), separate value head dim,
+  no padding: a probe of the Hopper-class kernel issue 20 asks for, not a training backend;
 - reference (not in the default list): the float32 references (flat: `varlen_attention`'s reference kernels; tree:
   the dense mask of `models.tree.attention`), the only one that runs on CPU with backward.
 flash runs the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
@@ -48,8 +51,9 @@ from models.tree.branch_attention import branch_attention
 from planner.microbatch import plan_microbatches
 
 BACKENDS = ("flash", "varlen", "flex")
-#: What `--backends` may name: BACKENDS and the reference (O(rows^2) memory in the tree: small cases only).
-CHOICES = (*BACKENDS, "reference")
+#: What `--backends` may name: BACKENDS, FlashAttention-4 (a separate package) and the reference (O(rows^2) memory in
+#: the tree: small cases only).
+CHOICES = (*BACKENDS, "fa4", "reference")
 #: Token scale of the small case whose results are compared with the float32 reference (or `--token-scale` if less).
 SMALL_TOKEN_SCALE = 0.01
 
@@ -149,6 +153,22 @@ def _varlen_attn(case: Case) -> Attention:
     return run
 
 
+def _fa4_attn(case: Case) -> Attention:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        raise RuntimeError(f"flash-attn-4 is not importable ({e})") from None
+
+    def run(q, k, v):
+        # -> (out, lse) in flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py, FlashAttnVarlenFunc).
+        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=case.cu, cu_seqlens_k=case.cu,
+                                        max_seqlen_q=case.max_len, max_seqlen_k=case.max_len,
+                                        softmax_scale=q.shape[-1] ** -0.5, causal=True)
+        return out
+
+    return run
+
+
 def backend_attention(name: str, case: Case, device) -> Attention:
     """`name`'s attention over `case`; raises RuntimeError with the reason when it cannot run it here."""
     if name == "flex":
@@ -161,6 +181,10 @@ def backend_attention(name: str, case: Case, device) -> Attention:
         if case.cu is None:
             raise RuntimeError("the branch views run torch's varlen kernels through flash (same kernels as flash)")
         return _varlen_attn(case)
+    if name == "fa4":
+        if case.cu is None:
+            raise RuntimeError("flat only (the branch views would need their own FlashAttention-4 pair)")
+        return _fa4_attn(case)
     return case.kernels
 
 
