@@ -156,8 +156,8 @@ def _varlen_attn(case: Case) -> Attention:
 def _fa4_attn(case: Case) -> Attention:
     try:
         from flash_attn.cute import flash_attn_varlen_func
-    except ImportError as e:
-        raise RuntimeError(f"flash-attn-4 is not importable ({e})") from None
+    except Exception as e:  # not installed, or its CUDA libraries fail to load (OSError and the like)
+        raise RuntimeError(f"flash-attn-4 is not importable ({type(e).__name__}: {e})") from None
 
     def run(q, k, v):
         # -> (out, lse) in flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py, FlashAttnVarlenFunc).
