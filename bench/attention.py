@@ -13,13 +13,13 @@ Backends:
 - varlen: `torch.nn.attention.varlen.varlen_attn` (flat only; v padded), the public API over flash's kernels;
 - flex: compiled FlexAttention with the block mask of `models.tree.attention` (flat: a chain per trajectory;
   tree: the ancestor mask), v padded on CUDA;
-- fa4 (not in the default list): FlashAttention-4's CuTe-DSL kernels (`flash_attn.cute.flash_attn_varlen_func`
-  of the flash-attn-4 package, which has Hopper forward and backward kernels; flat only), separate value head dim,
-  no padding: a probe of the Hopper-class kernel issue 20 asks for, not a training backend;
+- fa4 (not in the default list): training's calls (as flash) with FlashAttention-4's pair
+  (`models.ops.varlen_attention.fa4`, the flash-attn-4 package's CuTe-DSL kernels, Hopper forward and backward),
+  separate value head dim, no padding;
 - reference (not in the default list): the float32 references (flat: `varlen_attention`'s reference kernels; tree:
   the dense mask of `models.tree.attention`), the only one that runs on CPU with backward.
-flash runs the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
-`branch_attention`). Shapes are the model's full attention (ling-3-tiny: 16 heads, q/k 192, v 128), bf16.
+flash and fa4 run the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
+`branch_attention`) with their kernel pair. Shapes are the model's full attention (ling-3-tiny: 16 heads, q/k 192, v 128), bf16.
 
 Per case and backend: forward and forward+backward milliseconds (median of `--repeat` after one warm-up that
 compiles), the peak memory above the inputs of forward+backward, the largest absolute difference over out, dq, dk and
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.microbatch import prepare_microbatch
-from models.ops.varlen_attention import varlen_attention
+from models.ops.varlen_attention import use_cuda_attention, varlen_attention
 from models.presets import preset
 from models.tree.attention import TreeAttentionLayout, tree_attention
 from models.tree.branch_attention import branch_attention
@@ -153,18 +153,17 @@ def _varlen_attn(case: Case) -> Attention:
     return run
 
 
-def _fa4_attn(case: Case) -> Attention:
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception as e:  # not installed, or its CUDA libraries fail to load (OSError and the like)
-        raise RuntimeError(f"flash-attn-4 is not importable ({type(e).__name__}: {e})") from None
+def with_cuda_attention(pair: str, fn: Attention) -> Attention:
+    """`fn` run with CUDA kernel pair `pair` (`use_cuda_attention`); the autograd Functions keep the backward kernel
+    of their forward, so the backward runs the same pair."""
+    use_cuda_attention(use_cuda_attention(pair))  # raises here, with the reason, if the pair cannot run
 
     def run(q, k, v):
-        # -> (out, lse) in flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py, FlashAttnVarlenFunc).
-        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=case.cu, cu_seqlens_k=case.cu,
-                                        max_seqlen_q=case.max_len, max_seqlen_k=case.max_len,
-                                        softmax_scale=q.shape[-1] ** -0.5, causal=True)
-        return out
+        previous = use_cuda_attention(pair)
+        try:
+            return fn(q, k, v)
+        finally:
+            use_cuda_attention(previous)
 
     return run
 
@@ -182,10 +181,8 @@ def backend_attention(name: str, case: Case, device) -> Attention:
             raise RuntimeError("the branch views run torch's varlen kernels through flash (same kernels as flash)")
         return _varlen_attn(case)
     if name == "fa4":
-        if case.cu is None:
-            raise RuntimeError("flat only (the branch views would need their own FlashAttention-4 pair)")
-        return _fa4_attn(case)
-    return case.kernels
+        return with_cuda_attention("fa4", case.kernels)
+    return with_cuda_attention("flash", case.kernels)
 
 
 def _inputs(case: Case, shapes: Shapes, dtype, device, seed: int = 0):

@@ -1,11 +1,13 @@
-"""The benchmarks' choice of GPU kernels: `--reference-rowwise` (models.ops.dispatch), used identically by the flat
-and tree sides of a run (`bench.speed`, `bench.fidelity`, `bench.step_profile`)."""
+"""The benchmarks' choice of GPU kernels: `--reference-rowwise` (models.ops.dispatch) and `--attention-kernels`
+(models.ops.varlen_attention), used identically by the flat and tree sides of a run (`bench.speed`,
+`bench.fidelity`, `bench.step_profile`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from models.ops.dispatch import set_fused_rowwise
+from models.ops.varlen_attention import CUDA_ATTENTION, use_cuda_attention
 
 __all__ = ["add_kernel_choice_options", "use_kernel_choice"]
 
@@ -14,8 +16,16 @@ def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-rowwise", action="store_true",
                         help="run the plain-torch references of the row-wise ops instead of their fused kernels "
                              "(train.fused_rowwise = false; models.ops.dispatch)")
+    parser.add_argument("--attention-kernels", choices=list(CUDA_ATTENTION), default="flash",
+                        help="CUDA attention kernel pair of both modes: flash (torch's FlashAttention-2) or fa4 "
+                             "(FlashAttention-4, the optional flash-attn-4 package)")
 
 
 def use_kernel_choice(args: argparse.Namespace) -> None:
-    """Switch this process to the chosen kernels (GPU runs, before the first forward)."""
+    """Switch this process to the chosen kernels (GPU runs, before the first forward); exits with the reason when the
+    chosen attention kernels cannot be imported."""
     set_fused_rowwise(not args.reference_rowwise)
+    try:
+        use_cuda_attention(args.attention_kernels)
+    except RuntimeError as e:
+        raise SystemExit(f"error: --attention-kernels {args.attention_kernels}: {e}") from None

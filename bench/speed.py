@@ -420,7 +420,7 @@ def _cell(value, spec: str) -> str:
 def print_table(rows: list[dict], header: dict, run: str) -> None:
     print(f"model {header['model']} ({header['active_params'] / 1e6:.0f}M active params/token), {header['dtype']} "
           f"on {header['device_name']}, capacity {header['capacity']}, {run}, attention "
-          f"{header['attention']}, modes {','.join(header['modes'])}")
+          f"{header['attention']} ({header['attention_kernels']} kernels), modes {','.join(header['modes'])}")
     cols = ["workload", "S", "C", "compr", "attn cmp", "flat s", "tree s", "carry s", "plan s", "F/B/G x", "x/compr",
             "Core x", "carry x", "exec/trie", "flat GiB", "tree GiB", "carry GiB", "flat MFU", "auto x"]
     print(" ".join(f"{c:>9}" for c in cols))
@@ -594,6 +594,7 @@ def main(argv=None) -> int:
         costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
+        "attention_kernels": args.attention_kernels if device.type == "cuda" else "reference",
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

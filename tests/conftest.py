@@ -4,6 +4,7 @@ import sys
 # Tests import the packages from the repository root, whatever the working directory.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.models.hf_oracle import transformers_cpu  # noqa: E402
@@ -17,3 +18,17 @@ torch.set_num_threads(1)
 # hidden, before any test module can import them: every later import (test oracles, tests of the norm ops, vLLM)
 # then gets the plain-torch fallbacks, whatever the test order.
 transformers_cpu()
+
+
+@pytest.fixture(params=["flash", "fa4"])
+def cuda_attention_pair(request):
+    """Each CUDA attention kernel pair in turn (`models.ops.varlen_attention.use_cuda_attention`), in use during the
+    test; fa4 skips, with the reason, where flash-attn-4 cannot be imported."""
+    from models.ops.varlen_attention import use_cuda_attention
+
+    try:
+        previous = use_cuda_attention(request.param)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    yield request.param
+    use_cuda_attention(previous)

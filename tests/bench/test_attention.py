@@ -50,15 +50,12 @@ def test_unknown_backend_is_a_usage_error(capsys):
     assert "fa3" in capsys.readouterr().err
 
 
-def test_fa4_is_a_flat_probe_that_names_what_it_lacks():
-    """FlashAttention-4 (a separate package) runs the flat case only, and says so when it cannot run."""
+def test_fa4_names_what_it_lacks():
+    """FlashAttention-4 (a separate package) needs CUDA and flash-attn-4, and says so when it cannot run."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     flat = attention.flat_case([5, 3], cpu)
-    views = attention.Case("tree", 1, 2, kernels=None, reference=None, flex_layout=None)
     with pytest.raises(RuntimeError, match="needs CUDA"):
         attention.backend_attention("fa4", flat, cpu)
-    with pytest.raises(RuntimeError, match="flat only"):
-        attention.backend_attention("fa4", views, cuda)
     if importlib.util.find_spec("flash_attn") is None:
         with pytest.raises(RuntimeError, match="flash-attn-4 is not importable"):
             attention.backend_attention("fa4", flat, cuda)

@@ -1,16 +1,46 @@
-"""Which (forward, backward) kernel pair packed causal attention runs for a tensor: torch's varlen FlashAttention-2
-for CUDA bf16/fp16 tensors, the plain-torch reference otherwise."""
+"""Which (forward, backward) kernel pair packed causal attention runs for a tensor: for CUDA bf16/fp16 tensors the
+CUDA pair chosen by `use_cuda_attention` (torch's varlen FlashAttention-2 by default, or FlashAttention-4), the
+plain-torch reference otherwise. Flat execution and the tree's branch views both ask here, so they run the same
+kernels."""
 
 import torch
 
+from models.ops.varlen_attention.fa4 import fa4_interface, fa4_varlen_backward, fa4_varlen_forward
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
+
+#: The CUDA kernel pairs by name: flash (`flash.py`, FlashAttention-2 in torch) and fa4 (`fa4.py`, the optional
+#: flash-attn-4 package).
+CUDA_ATTENTION = {"flash": (flash_varlen_forward, flash_varlen_backward),
+                  "fa4": (fa4_varlen_forward, fa4_varlen_backward)}
+_cuda_attention = "flash"
+
+
+def use_cuda_attention(name: str) -> str:
+    """Run CUDA bf16/fp16 attention with pair `name` from now on; returns the pair used until now.
+
+    Raises:
+        ValueError: `name` is not a pair of `CUDA_ATTENTION`.
+        RuntimeError: fa4 and flash-attn-4 cannot be imported (the message says why).
+    """
+    global _cuda_attention
+    if name not in CUDA_ATTENTION:
+        raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
+    if name == "fa4":
+        fa4_interface()
+    previous, _cuda_attention = _cuda_attention, name
+    return previous
+
+
+def cuda_attention() -> str:
+    """The name of the CUDA pair in use."""
+    return _cuda_attention
 
 
 def varlen_kernels(x: torch.Tensor):
     """(forward, backward) for tensors like `x`."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return flash_varlen_forward, flash_varlen_backward
+        return CUDA_ATTENTION[_cuda_attention]
     return naive_varlen_forward, naive_varlen_backward
 
 

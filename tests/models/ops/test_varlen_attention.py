@@ -1,13 +1,16 @@
 """The split forward/backward varlen attention kernels: the reference against autograd of a masked softmax (float64,
-bottom-right causal, GQA, value head dim != q/k head dim); which pair a tensor gets; on CUDA flash's pair and the
-autograd Function against the reference (bottom-right, GQA, MLA head dims, empty sequences)."""
+bottom-right causal, GQA, value head dim != q/k head dim); which pair a tensor gets; on CUDA each pair (flash, and
+fa4 where flash-attn-4 is installed) and the autograd Function against the reference (bottom-right, GQA, MLA head
+dims, empty sequences)."""
+
+import importlib.util
 
 import pytest
 import torch
 
 from models.ops.varlen_attention import (
-    flash_varlen_backward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward, varlen_attention,
-    varlen_kernels,
+    cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
+    use_cuda_attention, varlen_attention, varlen_kernels,
 )
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.
@@ -57,6 +60,19 @@ def test_cpu_tensors_run_the_reference_pair():
         assert varlen_kernels(torch.zeros(1, dtype=dtype)) == (naive_varlen_forward, naive_varlen_backward)
 
 
+def test_cuda_pair_choice_names_what_is_wrong():
+    """An unknown pair is refused with the choices; fa4 without flash-attn-4 says why; neither changes the pair, and
+    CPU tensors keep the reference whichever pair is chosen."""
+    with pytest.raises(ValueError, match="one of flash, fa4, got 'fa3'"):
+        use_cuda_attention("fa3")
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(RuntimeError, match="flash-attn-4 is not importable"):
+            use_cuda_attention("fa4")
+    assert cuda_attention() == "flash"
+    assert use_cuda_attention("flash") == "flash"
+    assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16)) == (naive_varlen_forward, naive_varlen_backward)
+
+
 def test_varlen_attention_function_equals_autograd():
     q, k, v, dout = _inputs(4, 2, 8, torch.float64, V=6)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -87,24 +103,29 @@ def _relative_errors(got, ref):
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's flash kernels need CUDA")
+def _cuda_pair():
+    return varlen_kernels(torch.zeros(1, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
 @pytest.mark.parametrize("H,G,K,V", CUDA_SHAPES)
 @pytest.mark.parametrize("lens_q,lens_k", CUDA_LENGTHS)
-def test_cuda_pair_equals_reference(H, G, K, V, lens_q, lens_k):
+def test_cuda_pair_equals_reference(H, G, K, V, lens_q, lens_k, cuda_attention_pair):
     q, k, v, dout = _inputs(H, G, K, torch.bfloat16, "cuda", lens_q=lens_q, lens_k=lens_k, V=V)
     args = (_cu(lens_q, "cuda"), _cu(lens_k, "cuda"), max(lens_q), max(lens_k), K**-0.5)
     ref = _autograd_reference(*(x.double().cpu() for x in (q, k, v, dout)), K**-0.5, lens_q, lens_k)
-    out, lse = flash_varlen_forward(q, k, v, *args)
-    got = (out, *flash_varlen_backward(dout, q, k, v, out, lse, *args))
+    forward, backward = _cuda_pair()
+    out, lse = forward(q, k, v, *args)
+    got = (out, *backward(dout, q, k, v, out, lse, *args))
     assert got[0].shape == ref[0].shape and got[3].shape == ref[3].shape
     errors = _relative_errors(got, ref)
     assert max(errors.values()) < 1e-2, errors
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's flash kernels need CUDA")
-def test_cuda_pair_takes_strided_values():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
+def test_cuda_pair_takes_strided_values(cuda_attention_pair):
     """Values that are a split view of one projection (MLA's `[k_nope | v]`) give the results of packed values."""
-    forward, backward = flash_varlen_forward, flash_varlen_backward
+    forward, backward = _cuda_pair()
     q, k, v, dout = _inputs(4, 2, 192, torch.bfloat16, "cuda", lens_q=[50, 70, 13], lens_k=[50, 70, 13], V=128)
     kv = torch.cat([torch.randn_like(k), v], dim=-1)
     strided = kv[..., 192:]
@@ -118,12 +139,11 @@ def test_cuda_pair_takes_strided_values():
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's flash kernels need CUDA")
-def test_cuda_varlen_attention_runs_the_flash_pair():
-    """The autograd Function (flat execution's attention) runs flash's pair: its results equal the pair's."""
-    assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16, device="cuda")) == (flash_varlen_forward,
-                                                                                     flash_varlen_backward)
-    forward, backward = flash_varlen_forward, flash_varlen_backward
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
+def test_cuda_varlen_attention_runs_the_chosen_pair(cuda_attention_pair):
+    """The autograd Function (flat execution's attention) runs the chosen pair: its results equal the pair's."""
+    forward, backward = _cuda_pair()
+    assert forward is {"flash": flash_varlen_forward, "fa4": fa4_varlen_forward}[cuda_attention_pair]
     q, k, v, dout = _inputs(4, 2, 192, torch.bfloat16, "cuda", lens_q=LENS_K, lens_k=LENS_K, V=128)
     args = (_cu(LENS_K, "cuda"), _cu(LENS_K, "cuda"), max(LENS_K), max(LENS_K), 192**-0.5)
     out, lse = forward(q, k, v, *args)

@@ -143,9 +143,9 @@ def test_unknown_backend():
         tree_attention(x, x, x, layout, 1.0, "magic")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash branch path needs CUDA")
-def test_branch_flash_groups_on_cuda():
-    """bf16 grouped branch views on torch's flash kernels vs the dense reference (fp32 math), MLA-like head dims."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA branch path needs CUDA")
+def test_branch_groups_on_cuda(cuda_attention_pair):
+    """bf16 grouped branch views on each CUDA kernel pair vs the dense reference (fp32 math), MLA-like head dims."""
     from planner.trajectory import Trajectory
 
     rng = np.random.default_rng(0)
