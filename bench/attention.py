@@ -15,7 +15,8 @@ Backends:
   tree: the ancestor mask), v padded on CUDA;
 - fa4 (not in the default list): training's calls (as flash) with FlashAttention-4's pair
   (`models.ops.varlen_attention.fa4`, the flash-attn-4 package's CuTe-DSL kernels, Hopper forward and backward),
-  separate value head dim, no padding;
+  a value head dim of its own where its Hopper backward takes one (`fa4.native_values`: ling-3-tiny's 192/128), else
+  padded as flash;
 - reference (not in the default list): the float32 references (flat: `varlen_attention`'s reference kernels; tree:
   the dense mask of `models.tree.attention`), the only one that runs on CPU with backward.
 flash and fa4 run the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
@@ -45,6 +46,7 @@ from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.microbatch import prepare_microbatch
 from models.ops.varlen_attention import use_cuda_attention, varlen_attention
+from models.ops.varlen_attention.fa4 import native_values
 from models.presets import preset
 from models.tree.attention import TreeAttentionLayout, tree_attention
 from models.tree.branch_attention import branch_attention
@@ -244,7 +246,10 @@ def measure(fn: Attention, inputs, repeat: int, device) -> dict:
 def backend_note(name: str, shapes: Shapes, device) -> str:
     """What a row's numbers include beyond the attention itself: value padding, torch's own kernel choice."""
     notes = []
-    if (name in ("flash", "varlen") or (name == "flex" and device.type == "cuda")) and shapes.v_dim < shapes.qk_dim:
+    pads = name in ("flash", "varlen") or (name == "flex" and device.type == "cuda") or (
+        name == "fa4" and not native_values(torch.empty(0, shapes.heads, shapes.qk_dim),
+                                            torch.empty(0, shapes.kv_heads, shapes.v_dim)))
+    if pads and shapes.v_dim < shapes.qk_dim:
         notes.append(f"v padded {shapes.v_dim}->{shapes.qk_dim}")
     if name == "varlen":
         from torch.nn.attention import varlen

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from models.ops.varlen_attention import pads_values, varlen_kernels
+from models.ops.varlen_attention.flash import pad_to
 from models.tree.device_copy import device_views
 from models.tree.regions import region
 
@@ -86,11 +86,6 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
     return [dataclasses.replace(g, cu_q=next(moved), cu_kv=next(moved)) for g in groups]
 
 
-def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x `[..., w]` zero-padded to `[..., width]` (x itself when w == width)."""
-    return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
-
-
 def _views(g: BranchGroup, k_CGK: torch.Tensor, v_CGW: torch.Tensor, kv_index: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values `[A, G, K]`, `[A, G, W]`: its query rows in place when `own_rows`, else its
@@ -109,7 +104,7 @@ class _BranchAttention(torch.autograd.Function):
         # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
         # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
         V = v_CGV.shape[-1]
-        v_CGW = _padded(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK) else v_CGV
+        v_CGW = pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK) else v_CGV
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
@@ -127,7 +122,7 @@ class _BranchAttention(torch.autograd.Function):
     def backward(ctx, dout_CHV):
         q_CHK, k_CGK, v_CGV, kv_index, out_CHW, *lses = ctx.saved_tensors
         V, W = v_CGV.shape[-1], out_CHW.shape[-1]
-        v_CGW, dout_CHW = _padded(v_CGV, W), _padded(dout_CHV, W).contiguous()
+        v_CGW, dout_CHW = pad_to(v_CGV, W), pad_to(dout_CHV, W).contiguous()
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
             k_view, v_view = _views(g, k_CGK, v_CGW, kv_index)

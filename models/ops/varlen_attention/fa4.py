@@ -1,18 +1,25 @@
 """Packed causal attention forward and backward as separate calls of FlashAttention-4's CuTe-DSL kernels (the
 flash-attn-4 package, `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd`; Hopper and Blackwell, bf16/fp16),
-with the signatures, layouts and bottom-right causal convention of `naive.py` and `flash.py`.
+with the signatures, layouts and bottom-right causal convention of `naive.py` and `flash.py`. The log-sum-exp is
+float32 `[H, Q]`, as flash's, and passes unchanged from the forward to the backward.
 
-Unlike `flash.py` the kernels take a value head dim V of their own (MLA: v 128 against q/k 192): nothing is padded.
-The log-sum-exp is float32 `[H, Q]`, as flash's, and passes unchanged from the forward to the backward.
-flash-attn-4 is imported on first call: the package is optional (`kernels.use_cuda_attention`)."""
+Value head dims: the kernels take a value head dim V of their own where their Hopper backward has one, i.e. V == K,
+or MLA's (K, V) = (192, 128) without GQA (`native_values`; MLA's value work is then not padded, unlike flash's).
+Other shapes failed in flash-attn-4 4.0.0b36 on the H200: GQA with V != K ("GQA backward requires head_dim ==
+head_dim_v"), (64, 32) (a TMA layout error at compile time). For those the values are zero-padded to K inside the
+pair, exactly as in `flash.py`, and the outputs cut back. flash-attn-4 is imported on first call: the package is
+optional (`kernels.use_cuda_attention`)."""
 
 from __future__ import annotations
 
 import torch
 
-from models.ops.varlen_attention.flash import int32_offsets
+from models.ops.varlen_attention.flash import int32_offsets, pad_to
 
-__all__ = ["fa4_varlen_forward", "fa4_varlen_backward", "fa4_interface"]
+__all__ = ["fa4_varlen_forward", "fa4_varlen_backward", "fa4_interface", "native_values"]
+
+#: (K, V) pairs with V != K whose values the kernels take unpadded when q and k/v have equal heads.
+NATIVE_MLA_DIMS = {(192, 128)}
 
 
 def fa4_interface():
@@ -25,20 +32,30 @@ def fa4_interface():
     return interface
 
 
+def native_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor) -> bool:
+    """Whether the kernels run these values at their own head dim (else they are padded to q's)."""
+    K, V = q_QHK.shape[-1], v_SGV.shape[-1]
+    return K == V or (q_QHK.shape[1] == v_SGV.shape[1] and (K, V) in NATIVE_MLA_DIMS)
+
+
 def fa4_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
     """-> (out `[Q, H, V]`, lse `[H, Q]` float32)."""
+    V = v_SGV.shape[-1]
+    v = v_SGV if native_values(q_QHK, v_SGV) else pad_to(v_SGV, q_QHK.shape[-1])
     out, lse, *_ = fa4_interface()._flash_attn_fwd(
-        q_QHK, k_SGK, v_SGV, cu_seqlens_q=int32_offsets(cu_q), cu_seqlens_k=int32_offsets(cu_k), max_seqlen_q=max_q,
+        q_QHK, k_SGK, v, cu_seqlens_q=int32_offsets(cu_q), cu_seqlens_k=int32_offsets(cu_k), max_seqlen_q=max_q,
         max_seqlen_k=max_k, softmax_scale=scale, causal=True, return_lse=True,
     )
-    return out, lse
+    return (out[..., :V].contiguous() if out.shape[-1] > V else out), lse
 
 
 def fa4_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q: int, max_k: int,
                         scale: float):
     """-> (dq `[Q, H, K]`, dk `[S, G, K]`, dv `[S, G, V]`)."""
+    V = v_SGV.shape[-1]
+    W = V if native_values(q_QHK, v_SGV) else q_QHK.shape[-1]
     dq, dk, dv = fa4_interface()._flash_attn_bwd(
-        q_QHK, k_SGK, v_SGV, out_QHV, dout_QHV.contiguous(), lse, scale, True,
+        q_QHK, k_SGK, pad_to(v_SGV, W), pad_to(out_QHV, W), pad_to(dout_QHV, W).contiguous(), lse, scale, True,
         cu_seqlens_q=int32_offsets(cu_q), cu_seqlens_k=int32_offsets(cu_k), max_seqlen_q=max_q, max_seqlen_k=max_k,
     )
-    return dq, dk, dv
+    return dq, dk, dv[..., :V]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["flash_varlen_forward", "flash_varlen_backward", "int32_offsets"]
+__all__ = ["flash_varlen_forward", "flash_varlen_backward", "int32_offsets", "pad_to"]
 
 
 def int32_offsets(cu: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,8 @@ def int32_offsets(cu: torch.Tensor) -> torch.Tensor:
     return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
 
 
-def _pad_to(x: torch.Tensor, K: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x `[..., w]` zero-padded to `[..., K]` (x itself when w >= K)."""
     return F.pad(x, (0, K - x.shape[-1])) if x.shape[-1] < K else x
 
 
@@ -30,7 +31,7 @@ def flash_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int
     K, V = q_QHK.shape[-1], v_SGV.shape[-1]
     cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q_QHK, k_SGK, _pad_to(v_SGV, K), cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        q_QHK, k_SGK, pad_to(v_SGV, K), cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
     )
     return (out[..., :V].contiguous() if V < K else out), lse
 
@@ -44,7 +45,7 @@ def flash_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_
     unused = torch.empty(0, device=q_QHK.device)
     cu_q, cu_k = int32_offsets(cu_q), int32_offsets(cu_k)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _pad_to(dout_QHV, K).contiguous(), q_QHK, k_SGK, _pad_to(v_SGV, K), _pad_to(out_QHV, K), lse, cu_q, cu_k,
+        pad_to(dout_QHV, K).contiguous(), q_QHK, k_SGK, pad_to(v_SGV, K), pad_to(out_QHV, K), lse, cu_q, cu_k,
         max_q, max_k, 0.0, True, rng_state, unused, scale=scale,
     )
     return dq, dk, dv[..., :V]

@@ -12,6 +12,7 @@ from models.ops.varlen_attention import (
     cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
     use_cuda_attention, varlen_attention, varlen_kernels,
 )
+from models.ops.varlen_attention.fa4 import native_values
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.
 LENS_Q, LENS_K = [5, 7, 1], [9, 7, 11]
@@ -73,6 +74,14 @@ def test_cuda_pair_choice_names_what_is_wrong():
     assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16)) == (naive_varlen_forward, naive_varlen_backward)
 
 
+def test_fa4_takes_values_at_their_own_dim_only_where_its_hopper_backward_does():
+    def native(H, G, K, V):
+        return native_values(torch.empty(0, H, K), torch.empty(0, G, V))
+
+    assert native(4, 4, 192, 128) and native(4, 2, 64, 64) and native(4, 4, 96, 96)
+    assert not native(4, 2, 192, 128) and not native(4, 4, 64, 32) and not native(4, 4, 96, 64)
+
+
 def test_varlen_attention_function_equals_autograd():
     q, k, v, dout = _inputs(4, 2, 8, torch.float64, V=6)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -92,7 +101,8 @@ def test_varlen_attention_refuses_shapes_no_kernel_takes():
 
 
 # (H, G, K, V): MHA, GQA, and MLA's head dims (ling-3-tiny: q/k 192, v 128).
-CUDA_SHAPES = [(4, 4, 64, 64), (4, 2, 64, 64), (4, 4, 192, 128), (4, 2, 192, 128)]
+# tiny-kimi-linear's 96/64 and (64, 32) run fa4 with padded values (`fa4.native_values`).
+CUDA_SHAPES = [(4, 4, 64, 64), (4, 2, 64, 64), (4, 4, 192, 128), (4, 2, 192, 128), (4, 4, 96, 64), (4, 4, 64, 32)]
 CUDA_LENGTHS = [(LENS_Q, LENS_K), (LENS_Q_EMPTY, LENS_K_EMPTY), ([50, 70, 13], [50, 70, 13]),
                 ([5, 0, 7], [5, 0, 7]), ([50, 70, 13], [90, 70, 300])]
 
