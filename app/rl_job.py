@@ -56,6 +56,7 @@ from models.carry_microbatch import CarryStep
 from models.microbatch import Microbatch
 from models.ops.dispatch import set_fused_rowwise
 from models.ops.kernel_cache import KernelCache, use_kernel_cache
+from models.ops.varlen_attention import use_cuda_attention
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_planned
 from parallel.runner import StepMetrics
@@ -131,6 +132,16 @@ def _kernel_cache(config: JobConfig) -> KernelCache | None:
         raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
 
 
+def _use_attention_kernels(config: JobConfig) -> None:
+    """On a GPU: run `train.attention_kernels` in every rank; a ConfigError when they cannot be imported."""
+    if resolve_device(config.train.device).type != "cuda":
+        return
+    try:
+        use_cuda_attention(config.train.attention_kernels)
+    except RuntimeError as e:
+        raise ConfigError(f"`train.attention_kernels` = \"{config.train.attention_kernels}\": {e}") from None
+
+
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
     """The trainer of this process: distributed when started by torchrun with several ranks."""
     try:
@@ -174,6 +185,7 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         kernel_cache = _kernel_cache(c)
         set_fused_rowwise(c.train.fused_rowwise)
+        _use_attention_kernels(c)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
         self.env = self._environment()
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:

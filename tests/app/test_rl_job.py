@@ -9,6 +9,7 @@ trainer's arithmetic is bitwise repeatable.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from app.torch_engine import TorchEngine
 from models.hf_io import load_hf
 from models.ops import kernel_cache
 from models.ops.kernel_cache import TRITON_CACHE_ENV
+from models.ops.varlen_attention import cuda_attention
 from rollout.engine import Engine, EngineError
 from tests.app.jobs import write_job
 
@@ -98,6 +100,24 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="`train.kernel_cache`: cannot create"):
         app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
+
+
+def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch):
+    """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode; fa4 without flash-attn-4 is
+    one error naming the key and the fix; another value is refused by the config loader; CPU jobs ignore the key."""
+    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    job = str(write_job(tmp_path))
+    app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]))
+    assert cuda_attention() == "flash"
+    with pytest.raises(ConfigError, match="attention_kernels"):
+        load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
+            app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
+        assert cuda_attention() == "flash"
+        monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
+        app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
+        assert cuda_attention() == "flash"
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:
