@@ -10,6 +10,12 @@ torch.compile's Triton kernels go there too (inductor reads `TRITON_CACHE_DIR`).
 Triton reads the variable each time it looks up a kernel, so setting it before the first kernel compiles is enough
 (this module imports neither triton nor fla). The RL job (`train.kernel_cache`) and the benchmarks
 (`--kernel-cache`) choose the folder with `use_kernel_cache`.
+
+FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, about
+12 s per phase's shapes on an H200, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
+`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED` / `_DIR`, read when flash_attn.cute is imported). `use_kernel_cache` turns it
+on in the subfolder `flash-attn-4` of the chosen folder unless the user set that folder: a second tiny-kimi-linear RL
+job's first SFT and RL steps took 10.6 s and 10.2 s instead of 21.9 s and 20.9 s (bench/RESULTS.md, session 14).
 """
 
 from __future__ import annotations
@@ -18,12 +24,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TRITON_CACHE_ENV", "KernelCache", "use_kernel_cache", "cache_entries"]
+__all__ = ["TRITON_CACHE_ENV", "FA4_CACHE_ENV", "FA4_CACHE_ON_ENV", "FA4_SUBFOLDER", "KernelCache",
+           "use_kernel_cache", "cache_entries"]
 
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+FA4_CACHE_ON_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+#: FlashAttention-4's compiled kernels, inside the kernel cache folder (not counted as Triton entries).
+FA4_SUBFOLDER = "flash-attn-4"
 
-# The value this process set, so that a second job in the same process does not take it for the user's own setting.
+# The values this process set, so that a second job in the same process does not take them for the user's own.
 _set_here: str | None = None
+_fa4_set_here: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,7 @@ class KernelCache:
 def cache_entries(folder: Path) -> int:
     """Entries (one folder per compiled kernel or autotuning result) in a Triton cache folder."""
     try:
-        return sum(1 for e in os.scandir(folder) if e.is_dir())
+        return sum(1 for e in os.scandir(folder) if e.is_dir() and e.name != FA4_SUBFOLDER)
     except FileNotFoundError:
         return 0
 
@@ -72,4 +84,16 @@ def use_kernel_cache(folder: str | Path | None, default: str | Path | None, sett
     chosen = chosen.expanduser().absolute()
     chosen.mkdir(parents=True, exist_ok=True)
     os.environ[TRITON_CACHE_ENV] = _set_here = str(chosen)
+    _share_with_fa4(chosen)
     return KernelCache(chosen, source, cache_entries(chosen))
+
+
+def _share_with_fa4(folder: Path) -> None:
+    """FlashAttention-4's disk cache on, in `folder`/FA4_SUBFOLDER, unless the user chose its folder (a user's
+    FA4_CACHE_ON_ENV = 0 stays too)."""
+    global _fa4_set_here
+    user = os.environ.get(FA4_CACHE_ENV)
+    if user is not None and user != _fa4_set_here:
+        return
+    os.environ.setdefault(FA4_CACHE_ON_ENV, "1")
+    os.environ[FA4_CACHE_ENV] = _fa4_set_here = str(folder / FA4_SUBFOLDER)

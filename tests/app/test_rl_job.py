@@ -29,7 +29,7 @@ from app.config_loader import load_config
 from app.torch_engine import TorchEngine
 from models.hf_io import load_hf
 from models.ops import kernel_cache
-from models.ops.kernel_cache import TRITON_CACHE_ENV
+from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
 from models.ops.varlen_attention import cuda_attention
 from rollout.engine import Engine, EngineError
 from tests.app.jobs import write_job
@@ -87,8 +87,10 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
     user's TRITON_CACHE_DIR wins over that default, `train.kernel_cache` over both; a folder that cannot be made is
     an error naming the key."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
-    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(kernel_cache, "_set_here", None)
+    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     job = str(write_job(tmp_path))
     cache = app.rl_job._kernel_cache(load_config(JobConfig, job, []))
     assert cache.folder == tmp_path / "kernel-cache" and cache.folder.is_dir() and cache.source == "default"

@@ -8,10 +8,13 @@ import pytest
 
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from models.ops import kernel_cache
-from models.ops.kernel_cache import TRITON_CACHE_ENV
+from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
 
 
 def test_the_option_sets_and_names_the_cache(tmp_path, monkeypatch, capsys):
+    for name in (FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
     monkeypatch.setattr(kernel_cache, "_set_here", None)
     parser = argparse.ArgumentParser()

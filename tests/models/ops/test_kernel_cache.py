@@ -6,13 +6,17 @@ import os
 import pytest
 
 from models.ops import kernel_cache
-from models.ops.kernel_cache import TRITON_CACHE_ENV, use_kernel_cache
+from models.ops.kernel_cache import (
+    FA4_CACHE_ENV, FA4_CACHE_ON_ENV, FA4_SUBFOLDER, TRITON_CACHE_ENV, cache_entries, use_kernel_cache,
+)
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    monkeypatch.delenv(TRITON_CACHE_ENV, raising=False)
+    for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(kernel_cache, "_set_here", None)
+    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
 
 
 def test_an_explicit_folder_wins_over_the_environment(tmp_path, monkeypatch):
@@ -56,3 +60,18 @@ def test_a_folder_that_cannot_be_created_raises_oserror(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         use_kernel_cache(tmp_path / "file" / "kc", None, "--kernel-cache")
+
+
+def test_flash_attn_4_keeps_its_kernels_in_the_folder_unless_the_user_chose_its_own(tmp_path, monkeypatch):
+    """FlashAttention-4's disk cache goes on in the chosen folder's subfolder (not counted as a Triton entry), follows
+    a second job's folder, and leaves a user's own folder and a user's "off" alone."""
+    cache = use_kernel_cache(tmp_path / "kc", None, "train.kernel_cache")
+    assert os.environ[FA4_CACHE_ENV] == str(tmp_path / "kc" / FA4_SUBFOLDER) and os.environ[FA4_CACHE_ON_ENV] == "1"
+    (tmp_path / "kc" / FA4_SUBFOLDER).mkdir()
+    assert cache.entries == 0 and cache_entries(tmp_path / "kc") == 0
+    use_kernel_cache(tmp_path / "kc2", None, "train.kernel_cache")
+    assert os.environ[FA4_CACHE_ENV] == str(tmp_path / "kc2" / FA4_SUBFOLDER)
+    monkeypatch.setenv(FA4_CACHE_ENV, str(tmp_path / "users"))
+    monkeypatch.setenv(FA4_CACHE_ON_ENV, "0")
+    use_kernel_cache(tmp_path / "kc3", None, "train.kernel_cache")
+    assert os.environ[FA4_CACHE_ENV] == str(tmp_path / "users") and os.environ[FA4_CACHE_ON_ENV] == "0"
