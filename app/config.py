@@ -221,8 +221,9 @@ class TrainConfig:
     attention_kernels: Literal["flash", "fa4"] = "flash"
     """GPU jobs: the packed causal attention kernels of flat and tree execution alike (models/ops/varlen_attention,
     `use_cuda_attention`): "flash" = torch's FlashAttention-2; "fa4" = FlashAttention-4 (needs the flash-attn-4
-    package; on an H200 2.2x faster than flash on a SWE step's attention, forward and backward, and that step 16-17%
-    faster in both modes, with bf16 tree log-probs bitwise equal to flat: bench/RESULTS.md). CPU jobs ignore it."""
+    package; on an H200 2.2x faster than flash on a SWE step's attention, forward and backward, and that step took
+    16-17% less time in both modes, with bf16 tree log-probs bitwise equal to flat: bench/RESULTS.md). CPU jobs
+    ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

@@ -20,7 +20,8 @@ Backends:
 - reference (not in the default list): the float32 references (flat: `varlen_attention`'s reference kernels; tree:
   the dense mask of `models.tree.attention`), the only one that runs on CPU with backward.
 flash and fa4 run the very calls of training (flat: `models.ops.varlen_attention.varlen_attention`; tree:
-`branch_attention`) with their kernel pair. Shapes are the model's full attention (ling-3-tiny: 16 heads, q/k 192, v 128), bf16.
+`branch_attention`) with their kernel pair. Shapes are the model's full attention (ling-3-tiny: 16 heads, q/k 192,
+v 128), bf16.
 
 Per case and backend: forward and forward+backward milliseconds (median of `--repeat` after one warm-up that
 compiles), the peak memory above the inputs of forward+backward, the largest absolute difference over out, dq, dk and

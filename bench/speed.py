@@ -594,7 +594,8 @@ def main(argv=None) -> int:
         costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
-        "attention_kernels": args.attention_kernels if device.type == "cuda" else "reference",
+        "attention_kernels": (args.attention_kernels if device.type == "cuda" and args.dtype == "bfloat16"
+                              else "reference"),
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

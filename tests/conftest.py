@@ -32,3 +32,19 @@ def cuda_attention_pair(request):
         pytest.skip(str(e))
     yield request.param
     use_cuda_attention(previous)
+
+
+@pytest.fixture
+def no_fa4(monkeypatch):
+    """flash-attn-4 not importable, whether or not it is installed here."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """fa4 selectable without flash-attn-4 (its kernels are never called: CPU tensors run the reference); the pair in
+    use is restored afterwards."""
+    from models.ops.varlen_attention import kernels
+
+    monkeypatch.setattr(kernels, "fa4_interface", lambda: None)
+    monkeypatch.setattr(kernels, "_cuda_attention", kernels.cuda_attention())

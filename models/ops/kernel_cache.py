@@ -11,11 +11,12 @@ Triton reads the variable each time it looks up a kernel, so setting it before t
 (this module imports neither triton nor fla). The RL job (`train.kernel_cache`) and the benchmarks
 (`--kernel-cache`) choose the folder with `use_kernel_cache`.
 
-FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, about
-12 s per phase's shapes on an H200, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
+FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, 12-15 s
+per phase's shapes on an H200, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
 `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED` / `_DIR`, read when flash_attn.cute is imported). `use_kernel_cache` turns it
-on in the subfolder `flash-attn-4` of the chosen folder unless the user set that folder: a second tiny-kimi-linear RL
-job's first SFT and RL steps took 10.6 s and 10.2 s instead of 21.9 s and 20.9 s (bench/RESULTS.md, session 14).
+on in the subfolder `flash-attn-4` of the chosen folder unless the user set that folder. With the two variables set
+by hand (this code did not run on a GPU yet), a second tiny-kimi-linear RL job's first SFT and RL steps took 10.6 s
+and 10.2 s instead of 21.9 s and 20.9 s (bench/RESULTS.md, session 14).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def use_kernel_cache(folder: str | Path | None, default: str | Path | None, sett
 
     Which folder wins: `folder` (an explicit setting, named `setting`), else the user's own `TRITON_CACHE_DIR`,
     else `default`, else Triton's own default (`$TRITON_HOME/.triton/cache`, TRITON_HOME defaulting to the home
-    folder). Raises OSError when the folder cannot be created.
+    folder). Also turns flash-attn-4's disk cache on in the folder's `FA4_SUBFOLDER` (module docstring). Raises
+    OSError when the folder cannot be created.
     """
     global _set_here
     user = os.environ.get(TRITON_CACHE_ENV)

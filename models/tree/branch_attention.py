@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from models.ops.varlen_attention import pads_values, varlen_kernels
-from models.ops.varlen_attention.flash import pad_to
+from models.ops.varlen_attention.kernel_args import pad_to
 from models.tree.device_copy import device_views
 from models.tree.regions import region
 
@@ -104,7 +104,7 @@ class _BranchAttention(torch.autograd.Function):
         # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
         # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
         V = v_CGV.shape[-1]
-        v_CGW = pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK) else v_CGV
+        v_CGW = pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK, v_CGV) else v_CGV
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:

@@ -9,7 +9,6 @@ trainer's arithmetic is bitwise repeatable.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -88,7 +87,8 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
     an error naming the key."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
     for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
+        monkeypatch.delenv(name)
     monkeypatch.setattr(kernel_cache, "_set_here", None)
     monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     job = str(write_job(tmp_path))
@@ -104,7 +104,7 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
         app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
 
 
-def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch):
+def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4):
     """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode; fa4 without flash-attn-4 is
     one error naming the key and the fix; another value is refused by the config loader; CPU jobs ignore the key."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
@@ -113,13 +113,12 @@ def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch):
     assert cuda_attention() == "flash"
     with pytest.raises(ConfigError, match="attention_kernels"):
         load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
-    if importlib.util.find_spec("flash_attn") is None:
-        with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
-            app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
-        assert cuda_attention() == "flash"
-        monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
+    with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
         app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
-        assert cuda_attention() == "flash"
+    assert cuda_attention() == "flash"
+    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
+    app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
+    assert cuda_attention() == "flash"
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:

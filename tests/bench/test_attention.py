@@ -1,15 +1,17 @@
 """bench.attention on CPU: the cases are the step's fullest flat microbatch and heaviest tree microbatch, the flex
 layout of a flat microbatch is its causal mask, unsupported backends print one reason line, and the table runs."""
 
-import importlib.util
+import argparse
 
 import pytest
 import torch
 
 from bench import attention
+from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
 from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.attention_core import VarlenCausalMask
+from models.ops.varlen_attention import cuda_attention
 
 TINY = ["--device", "cpu", "--token-scale", "0.002", "--model", "tiny-kimi-linear", "--repeat", "1"]
 
@@ -50,12 +52,29 @@ def test_unknown_backend_is_a_usage_error(capsys):
     assert "fa3" in capsys.readouterr().err
 
 
-def test_fa4_names_what_it_lacks():
+def test_fa4_names_what_it_lacks(no_fa4):
     """FlashAttention-4 (a separate package) needs CUDA and flash-attn-4, and says so when it cannot run."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     flat = attention.flat_case([5, 3], cpu)
     with pytest.raises(RuntimeError, match="needs CUDA"):
         attention.backend_attention("fa4", flat, cpu)
-    if importlib.util.find_spec("flash_attn") is None:
-        with pytest.raises(RuntimeError, match="flash-attn-4 is not importable"):
-            attention.backend_attention("fa4", flat, cuda)
+    with pytest.raises(RuntimeError, match="flash-attn-4 is not importable"):
+        attention.backend_attention("fa4", flat, cuda)
+
+
+def test_a_backend_runs_its_pair_and_restores_the_one_in_use(fake_fa4):
+    """A row's attention runs with its pair chosen (the autograd Functions keep that pair's backward) and leaves the
+    pair in use as it was."""
+    seen = []
+    run = attention.with_cuda_attention("fa4", lambda q, k, v: seen.append(cuda_attention()))
+    run(None, None, None)
+    assert seen == ["fa4"] and cuda_attention() == "flash"
+
+
+def test_the_attention_kernels_option_exits_with_the_reason(no_fa4):
+    parser = argparse.ArgumentParser()
+    add_kernel_choice_options(parser)
+    with pytest.raises(SystemExit, match="--attention-kernels fa4: flash-attn-4 is not importable"):
+        use_kernel_choice(parser.parse_args(["--attention-kernels", "fa4"]))
+    use_kernel_choice(parser.parse_args([]))
+    assert cuda_attention() == "flash"

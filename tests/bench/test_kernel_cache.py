@@ -13,7 +13,8 @@ from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACH
 
 def test_the_option_sets_and_names_the_cache(tmp_path, monkeypatch, capsys):
     for name in (FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
+        monkeypatch.delenv(name)
     monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
     monkeypatch.setattr(kernel_cache, "_set_here", None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from models.ops.varlen_attention.flash import int32_offsets, pad_to
+from models.ops.varlen_attention.kernel_args import int32_offsets, pad_to
 
 __all__ = ["fa4_varlen_forward", "fa4_varlen_backward", "fa4_interface", "native_values"]
 
@@ -27,8 +27,12 @@ def fa4_interface():
     try:
         from flash_attn.cute import interface
     except Exception as e:  # not installed, or its CUDA libraries fail to load (OSError and the like)
-        raise RuntimeError(f"flash-attn-4 is not importable ({type(e).__name__}: {e}); install the flash-attn-4 "
-                           "package or use the flash kernels") from None
+        fix = "install the flash-attn-4 package"
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").startswith("cutlass"):
+            fix = ("install nvidia-cutlass-dsl-libs-core too (the CuTe DSL's Python, a wheel of its own since "
+                   "nvidia-cutlass-dsl 4.6)")
+        raise RuntimeError(f"flash-attn-4 is not importable ({type(e).__name__}: {e}); {fix} or use the flash "
+                           "kernels") from None
     return interface
 
 

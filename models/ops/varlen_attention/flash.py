@@ -11,19 +11,10 @@ the padding costs (K - V) / V more value work and a copy of v per call."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["flash_varlen_forward", "flash_varlen_backward", "int32_offsets", "pad_to"]
+from models.ops.varlen_attention.kernel_args import int32_offsets, pad_to
 
-
-def int32_offsets(cu: torch.Tensor) -> torch.Tensor:
-    """Sequence offsets as the kernels take them (int32)."""
-    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
-
-
-def pad_to(x: torch.Tensor, K: int) -> torch.Tensor:
-    """x `[..., w]` zero-padded to `[..., K]` (x itself when w >= K)."""
-    return F.pad(x, (0, K - x.shape[-1])) if x.shape[-1] < K else x
+__all__ = ["flash_varlen_forward", "flash_varlen_backward"]
 
 
 def flash_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):

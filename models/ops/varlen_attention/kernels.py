@@ -5,7 +5,7 @@ kernels."""
 
 import torch
 
-from models.ops.varlen_attention.fa4 import fa4_interface, fa4_varlen_backward, fa4_varlen_forward
+from models.ops.varlen_attention.fa4 import fa4_interface, fa4_varlen_backward, fa4_varlen_forward, native_values
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
 
@@ -21,15 +21,27 @@ def use_cuda_attention(name: str) -> str:
 
     Raises:
         ValueError: `name` is not a pair of `CUDA_ATTENTION`.
-        RuntimeError: fa4 and flash-attn-4 cannot be imported (the message says why).
+        RuntimeError: fa4, and flash-attn-4 cannot be imported or this process's GPU is older than Hopper (the
+            message says why).
     """
     global _cuda_attention
     if name not in CUDA_ATTENTION:
         raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
     if name == "fa4":
         fa4_interface()
+        _check_fa4_device()
     previous, _cuda_attention = _cuda_attention, name
     return previous
+
+
+def _check_fa4_device() -> None:
+    """FlashAttention-4's backward runs on compute capability 9.0 and newer (flash-attn-4 4.0.0b36's
+    `_flash_attn_bwd`); raises RuntimeError on an older GPU of this process."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            raise RuntimeError(f"FlashAttention-4's backward needs compute capability 9.0 or newer (Hopper, "
+                               f"Blackwell); this GPU has {major}.{minor}: use the flash kernels")
 
 
 def cuda_attention() -> str:
@@ -44,8 +56,12 @@ def varlen_kernels(x: torch.Tensor):
     return naive_varlen_forward, naive_varlen_backward
 
 
-def pads_values(x: torch.Tensor) -> bool:
-    """Whether the kernel pair for tensors like `x` runs values at the query/key head dim (flash: a smaller V is
-    zero-padded to K inside each call). A caller that gathers the values of many views from one tensor pads that
-    tensor once instead (`models.tree.branch_attention`): padding each gathered view costs a copy of every view row."""
-    return varlen_kernels(x)[0] is flash_varlen_forward
+def pads_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor) -> bool:
+    """Whether the kernel pair for these queries runs these values at the query/key head dim K (flash always, fa4
+    unless `fa4.native_values`: a smaller V is zero-padded to K inside each call). A caller that gathers the values of
+    many views from one tensor pads that tensor once instead (`models.tree.branch_attention`): padding each gathered
+    view costs a copy of every view row."""
+    if v_SGV.shape[-1] >= q_QHK.shape[-1]:
+        return False
+    forward = varlen_kernels(q_QHK)[0]
+    return forward is flash_varlen_forward or (forward is fa4_varlen_forward and not native_values(q_QHK, v_SGV))

@@ -14,7 +14,8 @@ from models.ops.kernel_cache import (
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
+        monkeypatch.delenv(name)
     monkeypatch.setattr(kernel_cache, "_set_here", None)
     monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
 

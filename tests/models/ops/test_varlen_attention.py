@@ -3,16 +3,16 @@ bottom-right causal, GQA, value head dim != q/k head dim); which pair a tensor g
 fa4 where flash-attn-4 is installed) and the autograd Function against the reference (bottom-right, GQA, MLA head
 dims, empty sequences)."""
 
-import importlib.util
+import builtins
 
 import pytest
 import torch
 
 from models.ops.varlen_attention import (
     cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
-    use_cuda_attention, varlen_attention, varlen_kernels,
+    pads_values, use_cuda_attention, varlen_attention, varlen_kernels,
 )
-from models.ops.varlen_attention.fa4 import native_values
+from models.ops.varlen_attention.fa4 import fa4_interface, native_values
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.
 LENS_Q, LENS_K = [5, 7, 1], [9, 7, 11]
@@ -61,17 +61,39 @@ def test_cpu_tensors_run_the_reference_pair():
         assert varlen_kernels(torch.zeros(1, dtype=dtype)) == (naive_varlen_forward, naive_varlen_backward)
 
 
-def test_cuda_pair_choice_names_what_is_wrong():
-    """An unknown pair is refused with the choices; fa4 without flash-attn-4 says why; neither changes the pair, and
-    CPU tensors keep the reference whichever pair is chosen."""
+def test_cuda_pair_choice_names_what_is_wrong(no_fa4):
+    """An unknown pair is refused with the choices; fa4 without flash-attn-4 says why and how to fix it; neither
+    changes the pair."""
     with pytest.raises(ValueError, match="one of flash, fa4, got 'fa3'"):
         use_cuda_attention("fa3")
-    if importlib.util.find_spec("flash_attn") is None:
-        with pytest.raises(RuntimeError, match="flash-attn-4 is not importable"):
-            use_cuda_attention("fa4")
+    with pytest.raises(RuntimeError, match="flash-attn-4 is not importable .*install the flash-attn-4 package"):
+        use_cuda_attention("fa4")
     assert cuda_attention() == "flash"
     assert use_cuda_attention("flash") == "flash"
+
+
+def test_a_missing_cute_dsl_names_its_wheel(monkeypatch):
+    monkeypatch.setattr(builtins, "__import__", _failing_import(ModuleNotFoundError("no cutlass.cute",
+                                                                                     name="cutlass.cute")))
+    with pytest.raises(RuntimeError, match="install nvidia-cutlass-dsl-libs-core too"):
+        fa4_interface()
+
+
+def _failing_import(error):
+    real = builtins.__import__
+
+    def run(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise error
+        return real(name, *args, **kwargs)
+
+    return run
+
+
+def test_cpu_tensors_run_the_reference_whichever_pair_is_chosen(fake_fa4):
+    assert use_cuda_attention("fa4") == "flash" and cuda_attention() == "fa4"
     assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16)) == (naive_varlen_forward, naive_varlen_backward)
+    assert not pads_values(torch.zeros(1, 4, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 128, dtype=torch.bfloat16))
 
 
 def test_fa4_takes_values_at_their_own_dim_only_where_its_hopper_backward_does():
@@ -133,10 +155,12 @@ def test_cuda_pair_equals_reference(H, G, K, V, lens_q, lens_k, cuda_attention_p
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
-def test_cuda_pair_takes_strided_values(cuda_attention_pair):
-    """Values that are a split view of one projection (MLA's `[k_nope | v]`) give the results of packed values."""
+@pytest.mark.parametrize("G", [4, 2])
+def test_cuda_pair_takes_strided_values(G, cuda_attention_pair):
+    """Values that are a split view of one projection (MLA's `[k_nope | v]`) give the results of packed values
+    (fa4: at their own dim without GQA, padded with it)."""
     forward, backward = _cuda_pair()
-    q, k, v, dout = _inputs(4, 2, 192, torch.bfloat16, "cuda", lens_q=[50, 70, 13], lens_k=[50, 70, 13], V=128)
+    q, k, v, dout = _inputs(4, G, 192, torch.bfloat16, "cuda", lens_q=[50, 70, 13], lens_k=[50, 70, 13], V=128)
     kv = torch.cat([torch.randn_like(k), v], dim=-1)
     strided = kv[..., 192:]
     assert not strided.is_contiguous() and torch.equal(strided, v)
@@ -163,3 +187,13 @@ def test_cuda_varlen_attention_runs_the_chosen_pair(cuda_attention_pair):
     got = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
+def test_views_are_padded_once_exactly_where_the_pair_would_pad_them(cuda_attention_pair):
+    """`pads_values` (the branch views pad the values once before gathering) agrees with what the pair does inside:
+    flash pads every V < K, fa4 all but `native_values`."""
+    for H, G, K, V in CUDA_SHAPES:
+        q, _, v, _ = _inputs(H, G, K, torch.bfloat16, "cuda", V=V)
+        want = V < K and (cuda_attention_pair == "flash" or not native_values(q, v))
+        assert pads_values(q, v) == want, (H, G, K, V)

@@ -93,7 +93,7 @@ def test_branch_groups_gradients_equal_dense(trajectories, max_view_rows, seed, 
            for h, d in ((H, K), (G, K), (G, V))]
     w = torch.randn(C, H, V, dtype=torch.float64, generator=g)
     grads = {}
-    with mock.patch("models.tree.branch_attention.pads_values", lambda x: pad_once):
+    with mock.patch("models.tree.branch_attention.pads_values", lambda q, v: pad_once):
         for backend in ("dense", "branch"):
             out = tree_attention(*qkv, layout, 0.4, backend)
             grads[backend] = (out.detach(), *torch.autograd.grad((out * w).sum(), qkv))
@@ -144,8 +144,10 @@ def test_unknown_backend():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA branch path needs CUDA")
-def test_branch_groups_on_cuda(cuda_attention_pair):
-    """bf16 grouped branch views on each CUDA kernel pair vs the dense reference (fp32 math), MLA-like head dims."""
+@pytest.mark.parametrize("K,V", [(64, 32), (192, 128)])
+def test_branch_groups_on_cuda(K, V, cuda_attention_pair):
+    """bf16 grouped branch views on each CUDA kernel pair vs the dense reference (fp32 math), value head dim below
+    q/k's: padded once before the gather (64/32), or run at its own dim by fa4 (ling-3-tiny's 192/128)."""
     from planner.trajectory import Trajectory
 
     rng = np.random.default_rng(0)
@@ -158,11 +160,11 @@ def test_branch_groups_on_cuda(cuda_attention_pair):
     g = torch.Generator(device="cuda").manual_seed(0)
     C = batch.num_compact
     qkv = [torch.randn(C, 4, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-           for d in (64, 64, 32)]
-    w = torch.randn(C, 4, 32, device="cuda", dtype=torch.bfloat16, generator=g)
+           for d in (K, K, V)]
+    w = torch.randn(C, 4, V, device="cuda", dtype=torch.bfloat16, generator=g)
     res = {}
     for backend in ("dense", "branch"):
-        out = tree_attention(*qkv, layout, 0.125, backend)
+        out = tree_attention(*qkv, layout, K**-0.5, backend)
         res[backend] = (out.detach(), *torch.autograd.grad((out.float() * w.float()).sum(), qkv))
     for name, a, b in zip(("out", "dq", "dk", "dv"), res["branch"], res["dense"]):
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()
