@@ -9,7 +9,7 @@ import argparse
 from models.ops.dispatch import set_fused_rowwise
 from models.ops.varlen_attention import CUDA_ATTENTION, use_cuda_attention
 
-__all__ = ["add_kernel_choice_options", "use_kernel_choice"]
+__all__ = ["add_kernel_choice_options", "use_attention_pair", "use_kernel_choice"]
 
 
 def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +23,14 @@ def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
 
 def use_kernel_choice(args: argparse.Namespace) -> None:
     """Switch this process to the chosen kernels (GPU runs, before the first forward); exits with the reason when the
-    chosen attention kernels cannot be imported."""
+    chosen attention kernels cannot run here."""
     set_fused_rowwise(not args.reference_rowwise)
+    use_attention_pair(args.attention_kernels)
+
+
+def use_attention_pair(pair: str, option: str = "--attention-kernels") -> None:
+    """`use_cuda_attention(pair)`, or exit naming `option` and the reason when the pair cannot run here."""
     try:
-        use_cuda_attention(args.attention_kernels)
+        use_cuda_attention(pair)
     except RuntimeError as e:
-        raise SystemExit(f"error: --attention-kernels {args.attention_kernels}: {e}") from None
+        raise SystemExit(f"error: {option} {pair}: {e}") from None

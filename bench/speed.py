@@ -5,7 +5,8 @@
 One process, one model (random init), full-layer activation recomputation unless `--recompute` names other options
 (none, full, selective ones; several run one after the other: a table each, then seconds and peak GiB of every
 option and mode side by side; `--compare-rowwise` runs each option with the reference row-wise ops and then with
-the fused kernels), the same kernels in every mode
+the fused kernels, `--compare-attention` with flash's and then FlashAttention-4's attention kernels, and prints each
+mode's time ratio), the same kernels in every mode
 (`--modes`, default all three, timed one after the other in one run):
 - flat (the baseline): trajectories packed by raw tokens into microbatches of at most `capacity` tokens (first fit
   in input order, no sharing), flat packed varlen forward, log-probs, loss, backward;
@@ -43,13 +44,14 @@ import torch
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.flops import PEAK_FLOPS, active_params, attention_flops_per_pair, mfu
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, use_attention_pair, use_kernel_choice
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
 from models.ops.dispatch import set_fused_rowwise
+from models.ops.varlen_attention import CUDA_ATTENTION
 from models.presets import preset
 from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
@@ -481,24 +483,36 @@ def mfu_text(row: dict) -> str:
             + ", ".join(f"{mode} {m['mfu_attention']:.3f}" for mode, m in modes) + " with attention's products")
 
 
-def run_variants(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
-    """The runs of one invocation, in order: (recompute option, fused row-wise kernels, label) for each `--recompute`
-    option, once with the chosen row-wise kernels, or with the references and then fused under
-    `--compare-rowwise`."""
+def run_variants(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
+    """The runs of one invocation, in order: (recompute option, fused row-wise kernels, attention kernel pair, label)
+    for each `--recompute` option, once with the chosen row-wise kernels, or with the references and then fused under
+    `--compare-rowwise`; once with `--attention-kernels`, or with flash and then fa4 under `--compare-attention`."""
     rowwise = [False, True] if args.compare_rowwise else [not args.reference_rowwise]
-    return [(text, fused, f"recompute {text}" + (f", {'fused' if fused else 'reference'} row-wise"
-                                                  if args.compare_rowwise else ""))
-            for fused in rowwise for text in args.recompute]
+    pairs = list(CUDA_ATTENTION) if args.compare_attention else [args.attention_kernels]
+    return [(text, fused, pair, f"recompute {text}"
+             + (f", {'fused' if fused else 'reference'} row-wise" if args.compare_rowwise else "")
+             + (f", {pair} attention" if args.compare_attention else ""))
+            for pair in pairs for fused in rowwise for text in args.recompute]
 
 
 def print_run_summary(rows: list[dict]) -> None:
-    """One line per run (recompute option, row-wise kernels) and workload: each mode's seconds and peak GiB."""
+    """One line per run (recompute option, row-wise and attention kernels) and workload: each mode's seconds and peak
+    GiB; with several attention pairs, each mode's time with the first pair over its time with each other pair, run
+    for run."""
     print("runs: seconds / peak GiB per mode")
     print(" ".join(f"{c:>13}" for c in ["workload", *MODE_KEYS]) + " run")
     for r in rows:
         cells = [f"{_cell(r.get(k, {}).get('seconds'), '.2f')} / {_cell(r.get(k, {}).get('peak_gib'), '.1f')}"
                  for k in MODE_KEYS]
         print(" ".join(f"{v:>13}" for v in [r["workload"], *cells]) + " " + r["run"])
+    pairs = list(dict.fromkeys(r["attention_kernels"] for r in rows))
+    for pair in pairs[1:]:
+        for base in (r for r in rows if r["attention_kernels"] == pairs[0]):
+            other = next(r for r in rows if r["attention_kernels"] == pair and r["workload"] == base["workload"]
+                         and r["recompute"] == base["recompute"] and r["fused_rowwise"] == base["fused_rowwise"])
+            ratios = [f"{k} {base[k]['seconds'] / other[k]['seconds']:.2f}x" for k in MODE_KEYS
+                      if base.get(k, {}).get("seconds") and other.get(k, {}).get("seconds")]
+            print(f"{base['workload']}: {pairs[0]} s / {pair} s: {', '.join(ratios)} ({other['run']})")
 
 
 def recompute_option(text: str) -> str:
@@ -555,7 +569,15 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-rowwise", action="store_true",
                         help="run every --recompute option twice, side by side: with the reference row-wise ops, "
                              "then with the fused kernels (cuda)")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="run every option with each CUDA attention pair, side by side: flash, then fa4 "
+                             "(cuda, bf16; fa4 needs flash-attn-4)")
     args = parser.parse_args(argv)
+    if args.compare_attention and (args.device != "cuda" or args.dtype != "bfloat16"):
+        parser.error("--compare-attention needs --device cuda and --dtype bfloat16: elsewhere every run takes the "
+                     "reference attention")
+    if args.compare_attention and args.attention_kernels != "flash":
+        parser.error("--compare-attention runs every pair; leave out --attention-kernels")
     if args.compare_rowwise and args.reference_rowwise:
         parser.error("--compare-rowwise runs both row-wise paths; leave out --reference-rowwise")
     if args.compare_rowwise and args.device != "cuda":
@@ -566,6 +588,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         open_kernel_cache(args)
         use_kernel_choice(args)
+        for pair in CUDA_ATTENTION if args.compare_attention else ():
+            use_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
@@ -577,11 +601,12 @@ def main(argv=None) -> int:
         workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
     rows, costs = [], []
     variants = run_variants(args)
-    for index, (text, fused, label) in enumerate(variants):
+    for index, (text, fused, pair, label) in enumerate(variants):
         print(f"run {label}", file=sys.stderr, flush=True)
         model.set_activation_checkpointing(parse_recompute_option(text))
         if device.type == "cuda":
             set_fused_rowwise(fused)
+            use_attention_pair(pair)
         measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
         cost = None
         if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
@@ -590,12 +615,13 @@ def main(argv=None) -> int:
                 row["auto"] = run_auto(state, cost, model, args, device)
                 row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
         for row, _ in measured:
-            rows.append({**row, "recompute": text, "fused_rowwise": fused, "run": label, "run_index": index})
+            rows.append({**row, "recompute": text, "fused_rowwise": fused, "attention_kernels": pair, "run": label,
+                         "run_index": index})
         costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
-        "attention_kernels": (args.attention_kernels if device.type == "cuda" and args.dtype == "bfloat16"
-                              else "reference"),
+        "attention_kernels": (",".join(dict.fromkeys(v[2] for v in variants))
+                              if device.type == "cuda" and args.dtype == "bfloat16" else "reference"),
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -603,8 +629,10 @@ def main(argv=None) -> int:
         "cost_model": costs,
         "command": "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    for index, ((_, _, label), cost) in enumerate(zip(variants, costs)):
-        print_table([r for r in rows if r["run_index"] == index], {**header, "cost_model": cost}, label)
+    for index, ((*_, pair, label), cost) in enumerate(zip(variants, costs)):
+        kernels = "reference" if header["attention_kernels"] == "reference" else pair
+        print_table([r for r in rows if r["run_index"] == index],
+                    {**header, "cost_model": cost, "attention_kernels": kernels}, label)
     if len(variants) > 1:
         print_run_summary(rows)
     if args.json:

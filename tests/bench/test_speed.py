@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.speed import carry_context_cost, main, mfu_text, run_variants
+from bench.speed import carry_context_cost, main, mfu_text, print_run_summary, run_variants
 
 
 def test_speed_runs_and_reports(tmp_path, capsys):
@@ -85,15 +85,53 @@ def test_recompute_options_side_by_side(tmp_path, capsys):
         assert f"recompute {option}, attention" in printed and printed.count(f" recompute {option}\n") == 1
 
 
+def _variant_args(**kw):
+    return argparse.Namespace(**{"recompute": ["full"], "compare_rowwise": False, "reference_rowwise": False,
+                                 "compare_attention": False, "attention_kernels": "flash", **kw})
+
+
 def test_compare_rowwise_runs_each_option_with_the_references_then_fused():
-    args = argparse.Namespace(recompute=["none", "full"], compare_rowwise=True, reference_rowwise=False)
+    args = _variant_args(recompute=["none", "full"], compare_rowwise=True)
     assert run_variants(args) == [
-        ("none", False, "recompute none, reference row-wise"), ("full", False, "recompute full, reference row-wise"),
-        ("none", True, "recompute none, fused row-wise"), ("full", True, "recompute full, fused row-wise")]
-    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, reference_rowwise=False)
-    assert run_variants(args) == [("full", True, "recompute full")]
-    args = argparse.Namespace(recompute=["full"], compare_rowwise=False, reference_rowwise=True)
-    assert run_variants(args) == [("full", False, "recompute full")]
+        ("none", False, "flash", "recompute none, reference row-wise"),
+        ("full", False, "flash", "recompute full, reference row-wise"),
+        ("none", True, "flash", "recompute none, fused row-wise"),
+        ("full", True, "flash", "recompute full, fused row-wise")]
+    assert run_variants(_variant_args()) == [("full", True, "flash", "recompute full")]
+    assert run_variants(_variant_args(reference_rowwise=True)) == [("full", False, "flash", "recompute full")]
+    assert run_variants(_variant_args(attention_kernels="fa4")) == [("full", True, "fa4", "recompute full")]
+
+
+def test_compare_attention_runs_each_option_with_flash_then_fa4_and_prints_the_ratios(capsys):
+    args = _variant_args(recompute=["none", "full"], compare_attention=True)
+    assert run_variants(args) == [
+        ("none", True, "flash", "recompute none, flash attention"),
+        ("full", True, "flash", "recompute full, flash attention"),
+        ("none", True, "fa4", "recompute none, fa4 attention"),
+        ("full", True, "fa4", "recompute full, fa4 attention")]
+
+    def row(recompute, pair, flat, tree):
+        return {"workload": "swe", "recompute": recompute, "fused_rowwise": True, "attention_kernels": pair,
+                "run": f"recompute {recompute}, {pair} attention",
+                "flat": {"seconds": flat, "peak_gib": 40.0}, "tree": {"seconds": tree, "peak_gib": 41.0}}
+
+    print_run_summary([row("none", "flash", 16.0, 4.0), row("full", "flash", 18.0, 5.0),
+                       row("none", "fa4", 12.8, 3.2), row("full", "fa4", 15.0, 4.0)])
+    out = capsys.readouterr().out
+    assert "swe: flash s / fa4 s: flat 1.25x, tree 1.25x (recompute none, fa4 attention)" in out
+    assert "swe: flash s / fa4 s: flat 1.20x, tree 1.25x (recompute full, fa4 attention)" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--device", "cpu"], "--compare-attention needs --device cuda and --dtype bfloat16"),
+    (["--device", "cuda", "--dtype", "float32"], "--compare-attention needs --device cuda and --dtype bfloat16"),
+    (["--device", "cuda", "--attention-kernels", "fa4"], "leave out --attention-kernels"),
+])
+def test_compare_attention_refuses_what_it_cannot_compare(capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--compare-attention", *extra])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
