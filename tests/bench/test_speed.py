@@ -90,26 +90,24 @@ def _variant_args(**kw):
                                  "compare_attention": False, "attention_kernels": "flash", **kw})
 
 
-def test_compare_rowwise_runs_each_option_with_the_references_then_fused():
-    args = _variant_args(recompute=["none", "full"], compare_rowwise=True)
-    assert run_variants(args) == [
-        ("none", False, "flash", "recompute none, reference row-wise"),
-        ("full", False, "flash", "recompute full, reference row-wise"),
-        ("none", True, "flash", "recompute none, fused row-wise"),
-        ("full", True, "flash", "recompute full, fused row-wise")]
+@pytest.mark.parametrize("flags, runs", [
+    ({"compare_rowwise": True}, [(False, "flash", "reference row-wise"), (True, "flash", "fused row-wise")]),
+    ({"compare_attention": True}, [(True, "flash", "flash attention"), (True, "fa4", "fa4 attention")]),
+])
+def test_a_comparison_runs_each_option_with_one_kernel_choice_then_the_other(flags, runs):
+    """--compare-rowwise: references, then fused; --compare-attention: flash, then fa4; each over every option."""
+    want = [(text, fused, pair, f"recompute {text}, {label}")
+            for fused, pair, label in runs for text in ("none", "full")]
+    assert run_variants(_variant_args(recompute=["none", "full"], **flags)) == want
+
+
+def test_without_a_comparison_one_run_per_option_with_the_chosen_kernels():
     assert run_variants(_variant_args()) == [("full", True, "flash", "recompute full")]
     assert run_variants(_variant_args(reference_rowwise=True)) == [("full", False, "flash", "recompute full")]
     assert run_variants(_variant_args(attention_kernels="fa4")) == [("full", True, "fa4", "recompute full")]
 
 
-def test_compare_attention_runs_each_option_with_flash_then_fa4_and_prints_the_ratios(capsys):
-    args = _variant_args(recompute=["none", "full"], compare_attention=True)
-    assert run_variants(args) == [
-        ("none", True, "flash", "recompute none, flash attention"),
-        ("full", True, "flash", "recompute full, flash attention"),
-        ("none", True, "fa4", "recompute none, fa4 attention"),
-        ("full", True, "fa4", "recompute full, fa4 attention")]
-
+def test_compare_attention_prints_each_modes_time_ratio(capsys):
     def row(recompute, pair, flat, tree):
         return {"workload": "swe", "recompute": recompute, "fused_rowwise": True, "attention_kernels": pair,
                 "run": f"recompute {recompute}, {pair} attention",
