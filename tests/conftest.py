@@ -46,5 +46,5 @@ def fake_fa4(monkeypatch):
     use is restored afterwards."""
     from models.ops.varlen_attention import kernels
 
-    monkeypatch.setattr(kernels, "fa4_interface", lambda: None)
+    monkeypatch.setattr(kernels, "require_fa4", lambda: None)
     monkeypatch.setattr(kernels, "_cuda_attention", kernels.cuda_attention())

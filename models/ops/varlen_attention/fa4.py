@@ -8,7 +8,7 @@ or MLA's (K, V) = (192, 128) without GQA (`native_values`; MLA's value work is t
 Other shapes failed in flash-attn-4 4.0.0b36 on the H200: GQA with V != K ("GQA backward requires head_dim ==
 head_dim_v"), (64, 32) (a TMA layout error at compile time). For those the values are zero-padded to K inside the
 pair, exactly as in `flash.py`, and the outputs cut back. flash-attn-4 is imported on first call: the package is
-optional (`kernels.use_cuda_attention`)."""
+optional (`require_fa4`, checked by `kernels.use_cuda_attention`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from models.ops.varlen_attention.kernel_args import int32_offsets, pad_to
 
-__all__ = ["fa4_varlen_forward", "fa4_varlen_backward", "fa4_interface", "native_values"]
+__all__ = ["fa4_varlen_forward", "fa4_varlen_backward", "fa4_interface", "native_values", "require_fa4"]
 
 #: (K, V) pairs with V != K whose values the kernels take unpadded when q and k/v have equal heads.
 NATIVE_MLA_DIMS = {(192, 128)}
@@ -34,6 +34,18 @@ def fa4_interface():
         raise RuntimeError(f"flash-attn-4 is not importable ({type(e).__name__}: {e}); {fix} or use the flash "
                            "kernels") from None
     return interface
+
+
+def require_fa4() -> None:
+    """Raises RuntimeError naming why the fa4 pair cannot run in this process: flash-attn-4 cannot be imported
+    (`fa4_interface`), or the GPU is older than compute capability 9.0, where flash-attn-4 4.0.0b36's
+    `_flash_attn_bwd` has no backward."""
+    fa4_interface()
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            raise RuntimeError(f"FlashAttention-4's backward needs compute capability 9.0 or newer (Hopper, "
+                               f"Blackwell); this GPU has {major}.{minor}: use the flash kernels")
 
 
 def native_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ kernels."""
 
 import torch
 
-from models.ops.varlen_attention.fa4 import fa4_interface, fa4_varlen_backward, fa4_varlen_forward, native_values
+from models.ops.varlen_attention.fa4 import fa4_varlen_backward, fa4_varlen_forward, native_values, require_fa4
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
 
@@ -28,20 +28,9 @@ def use_cuda_attention(name: str) -> str:
     if name not in CUDA_ATTENTION:
         raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
     if name == "fa4":
-        fa4_interface()
-        _check_fa4_device()
+        require_fa4()
     previous, _cuda_attention = _cuda_attention, name
     return previous
-
-
-def _check_fa4_device() -> None:
-    """FlashAttention-4's backward runs on compute capability 9.0 and newer (flash-attn-4 4.0.0b36's
-    `_flash_attn_bwd`); raises RuntimeError on an older GPU of this process."""
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if major < 9:
-            raise RuntimeError(f"FlashAttention-4's backward needs compute capability 9.0 or newer (Hopper, "
-                               f"Blackwell); this GPU has {major}.{minor}: use the flash kernels")
 
 
 def cuda_attention() -> str:
