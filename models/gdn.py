@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import GDNConfig
-from models.linear_attention import CoreInputs, LinearAttention, l2norm
+from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
 from models.dtypes import upcast
-from models.ops import gdn_core
+from models.ops import gdn_core, l2norm
 
 
 @dataclass

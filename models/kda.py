@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from models.config import KDAConfig
-from models.linear_attention import CoreInputs, LinearAttention, l2norm
+from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
-from models.ops import kda_core
+from models.ops import kda_core, l2norm
 from models.ops.gate import kda_decay
 from models.ops.kda.round import fla_kda_round
 

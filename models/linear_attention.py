@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from models.dtypes import upcast
-from models.ops import short_conv
+from models.ops import l2norm, short_conv
 from models.ops.dispatch import use_fla
 
 if TYPE_CHECKING:
@@ -45,13 +45,6 @@ class CoreInputs:
     """log decay in the upcast dtype (fp32; float64 for float64 models): `[T, HV]` (GDN) or `[T, HV, K]` (KDA)."""
     beta: torch.Tensor
     """`[T, HV]` write strengths in (0, 1)."""
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (float64 for float64), cast back (fla's and
-    transformers' q/k norm)."""
-    xf = x.to(upcast(x.dtype))
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class LinearAttention(nn.Module):

@@ -23,7 +23,7 @@ _fused_rowwise = True
 
 
 def set_fused_rowwise(enabled: bool) -> None:
-    """Turn the fused row-wise paths (issue #20: `rmsnorm`, `glu`, `gate`, `combine`) on or off for this process.
+    """Turn the fused row-wise paths (issue #20: `rmsnorm`, `l2norm`, `glu`, `gate`, `combine`) on or off for this process.
 
     On by default: all 49 cases of tests/models/ops/test_rowwise_cuda.py pass on the H200, the bf16 tree's layer
     outputs stay bitwise equal to flat (`bench.fidelity --per-layer`), and every mode runs faster (measurements:

@@ -1,5 +1,5 @@
-"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual) and the MoE combine
-(own Triton kernels), SwiGLU, the sigmoid gate and the KDA decay gate (fla), forward and every gradient; and row
+"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual), the q/k L2 norm and
+the MoE combine (own Triton kernels), SwiGLU, the sigmoid gate and the KDA decay gate (fla), forward and every gradient; and row
 independence: a row's output (and input gradient) is bitwise the same in a call of 7 rows, of 5,000 rows, and
 after a shuffle.
 
@@ -15,6 +15,8 @@ from models.ops.combine import naive_moe_combine
 from models.ops.combine.fused import fused_moe_combine
 from models.ops.gate import fused_kda_decay, naive_kda_decay
 from models.ops.glu import fused_sigmoid_gate, fused_swiglu, naive_sigmoid_gate, naive_swiglu
+from models.ops.l2norm import naive_l2norm
+from models.ops.l2norm.fused import fused_l2norm
 from models.ops.rmsnorm import naive_rms_norm
 from models.ops.rmsnorm.fused import fused_rms_norm
 
@@ -83,6 +85,23 @@ def test_fused_rms_norm_keeps_leading_dims_and_empty_inputs():
     assert fused_rms_norm(x[:0], w, 1e-6, True, x[:0])[0].shape == (0, 3, 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("K", [64, 100, 128])
+def test_fused_l2norm_matches_reference_on_head_strided_views(dtype, K):
+    """The k heads of a q|k|v conv output `[T, 3 H K]`, read in place as the linear-attention mixers pass them."""
+    T, H = 1001, 4
+
+    def k_heads(op):
+        return lambda qkv: op(qkv[:, H * K : 2 * H * K].view(T, H, K))
+
+    qkv = randn(T, 3 * H * K, dtype=dtype, seed=4, scale=3.0)
+    out, grads = outputs_and_grads(k_heads(fused_l2norm), [qkv])
+    out_ref, grads_ref = outputs_and_grads(k_heads(naive_l2norm), [qkv])
+    tol_out, tol_grad = TOLERANCES[dtype]
+    assert_close("y", out[0], out_ref[0], tol_out)
+    assert_close("dqkv", grads[0], grads_ref[0], tol_grad)
+
+
 GLUS = {"swiglu": (fused_swiglu, naive_swiglu), "sigmoid_gate": (fused_sigmoid_gate, naive_sigmoid_gate)}
 
 
@@ -110,6 +129,7 @@ ROW_OPS = {
     "rms_norm_128": (lambda x, w, r: fused_rms_norm(x, w, 1e-6, True)[0], 128),
     "swiglu_512": (lambda x, w, r: fused_swiglu(x, r), 512),
     "sigmoid_gate_2048": (lambda x, w, r: fused_sigmoid_gate(x, r), 2048),
+    "l2norm_16x128": (lambda x, w, r: fused_l2norm(x.view(-1, 16, 128)).view(x.shape), 2048),
 }
 
 
