@@ -7,9 +7,9 @@ Ops (widths from the preset): `rms_norm` over the model dim (the decoder's pre-n
 the mixer's residual add fused (`rms_norm+residual`), over the MLA kv latent (`rms_norm latent`, MLA presets) or a
 head (`rms_norm head`, gated-attention presets: q/k norm); `swiglu` of the dense FFN, of the routed experts (rows x
 top-k pairs, the two halves of the gate|up product read in place) and of the shared expert; `sigmoid_gate` of the
-gated attention output (gated-attention presets); `kda_decay`, KDA's per-channel decay gate (KDA presets); `l2norm`,
-the linear-attention q/k norm on the k heads of a q|k|v conv output (read in place);
-`moe_combine`, the weighted sum of each row's top-k expert rows (MoE presets). Each row: the reference and fused times in ms (medians over
+gated attention output (gated-attention presets); `kda_decay`, KDA's per-channel decay gate (KDA presets); `l2_norm`,
+the linear-attention q/k norm on the k heads of a q|k|v conv output (read in place); `moe_combine`, the weighted
+sum of each row's top-k expert rows (MoE presets). Each row: the reference and fused times in ms (medians over
 `--iters` after two warm-ups, `bench.layers.timed`), their ratio reference / fused, and the fused path's relative
 error against the reference. Backward runs from a fixed random output gradient.
 """
@@ -28,7 +28,7 @@ from models.config import GatedAttentionConfig, KDAConfig, MLAConfig
 from models.ops.combine import naive_moe_combine
 from models.ops.gate import fused_kda_decay, naive_kda_decay
 from models.ops.glu import fused_sigmoid_gate, fused_swiglu, naive_sigmoid_gate, naive_swiglu
-from models.ops.l2norm import naive_l2norm
+from models.ops.l2norm import naive_l2_norm
 from models.ops.rmsnorm import naive_rms_norm
 
 
@@ -45,7 +45,7 @@ def glu_halves(impl: Callable) -> Callable:
 def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Callable, list[torch.Tensor]]]:
     """(name, reference, fused, bf16 CUDA inputs) for the preset's row-wise ops."""
     from models.ops.combine.fused import fused_moe_combine
-    from models.ops.l2norm.fused import fused_l2norm
+    from models.ops.l2norm.fused import fused_l2_norm
     from models.ops.rmsnorm.fused import fused_rms_norm
 
     D, eps, zc = config.hidden_size, config.rms_norm_eps, config.zero_centered_norm
@@ -87,7 +87,7 @@ def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Ca
         def k_heads(impl):
             return lambda qkv: impl(qkv[:, H * K : 2 * H * K].view(-1, H, K))
 
-        out.append(("l2norm", k_heads(naive_l2norm), k_heads(fused_l2norm), [randn(rows, 2 * H * K + V)]))
+        out.append(("l2_norm", k_heads(naive_l2_norm), k_heads(fused_l2_norm), [randn(rows, 2 * H * K + V)]))
     if "dense" in config.ffn_types:
         F_ = config.dense_ffn.intermediate_size
         out.append(("swiglu dense", glu_halves(naive_swiglu), glu_halves(fused_swiglu), [randn(rows, 2 * F_)]))

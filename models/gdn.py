@@ -21,7 +21,7 @@ from models.config import GDNConfig
 from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
 from models.dtypes import upcast
-from models.ops import gdn_core, l2norm
+from models.ops import gdn_core, l2_norm
 
 
 @dataclass
@@ -73,15 +73,15 @@ class GatedDeltaNet(LinearAttention):
         return GDNRows(qkv_TC, z.reshape(T, c.num_v_heads, c.head_v_dim), b.reshape(T, -1), a.reshape(T, -1))
 
     def activate(self, rows: GDNRows, qkv_TC: torch.Tensor) -> CoreInputs:
-        """Step 3 (per row): split heads, l2norm q/k, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+        """Step 3 (per row): split heads, L2-normalise q/k, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
         c = self.config
         T, key_dim = qkv_TC.shape[0], c.num_k_heads * c.head_k_dim
         q, k, v = qkv_TC.split([key_dim, key_dim, c.num_v_heads * c.head_v_dim], dim=-1)
         dtype = upcast(rows.a.dtype)
         g_THV = -self.A_log.to(dtype).exp() * F.softplus(rows.a.to(dtype) + self.dt_bias.to(dtype))
         return CoreInputs(
-            q=l2norm(q.reshape(T, c.num_k_heads, c.head_k_dim)),
-            k=l2norm(k.reshape(T, c.num_k_heads, c.head_k_dim)),
+            q=l2_norm(q.reshape(T, c.num_k_heads, c.head_k_dim)),
+            k=l2_norm(k.reshape(T, c.num_k_heads, c.head_k_dim)),
             v=v.reshape(T, c.num_v_heads, c.head_v_dim),
             g=g_THV,
             beta=torch.sigmoid(rows.b),

@@ -20,7 +20,7 @@ from torch import nn
 from models.config import KDAConfig
 from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
-from models.ops import kda_core, l2norm
+from models.ops import kda_core, l2_norm
 from models.ops.gate import kda_decay
 from models.ops.kda.round import fla_kda_round
 
@@ -89,14 +89,14 @@ class KimiDeltaAttention(LinearAttention):
         return KDARows(qkv_TC, f, self.b_proj(x_TD), gate)
 
     def activate(self, rows: KDARows, qkv_TC: torch.Tensor) -> CoreInputs:
-        """Step 3 (per row): split heads, l2norm q/k, per-channel g = -exp(A_log) softplus(f + dt_bias)
+        """Step 3 (per row): split heads, L2-normalise q/k, per-channel g = -exp(A_log) softplus(f + dt_bias)
         (`models.ops.gate.kda_decay`, fp32), beta = sigmoid(b)."""
         c = self.config
         T = qkv_TC.shape[0]
         q, k, v = (t.reshape(T, c.num_heads, c.head_dim) for t in qkv_TC.chunk(3, dim=-1))
         fg = self.forget_gate
         g_THK = kda_decay(rows.f.reshape(T, c.num_heads, c.head_dim), fg.A_log, fg.dt_bias)
-        return CoreInputs(q=l2norm(q), k=l2norm(k), v=v, g=g_THK, beta=torch.sigmoid(rows.b))
+        return CoreInputs(q=l2_norm(q), k=l2_norm(k), v=v, g=g_THK, beta=torch.sigmoid(rows.b))
 
     def output(self, o_THK: torch.Tensor, rows: KDARows) -> torch.Tensor:
         """Step 5 (per row): gated RMSNorm with sigmoid(gate), then o_proj -> `[T, D]`."""

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from models.dtypes import upcast
-from models.ops import l2norm, short_conv
+from models.ops import short_conv
 from models.ops.dispatch import use_fla
 
 if TYPE_CHECKING:

@@ -10,7 +10,9 @@ only for one chunk of rows at a time: forward keeps just one log-sum-exp per row
 logits, so peak memory is O(chunk_rows x V), never S x V or C x V. Backward sums the contributions of every position
 into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a count. With bf16/fp16 inputs the
 logits and the LM-head gradient are fp32 sums of the exact products, never rounded to the input dtype (on CUDA the
-GEMM writes fp32 and accumulates the gradient itself).
+GEMM writes fp32 and accumulates the gradient itself). On CUDA the passes over a chunk's fp32 logits run fused
+(`models.ops.logsoftmax`: one read forward for the log-sum-exp's sums, one read and one write of the gradient in the
+hidden states' dtype backward) unless `set_fused_rowwise(False)`.
 
 With the LM head split by vocabulary (`VocabShards`), each shard computes its [R, V] logits and only per-row scalars
 cross shards: the row maximum (max), the sums of exp(logit - max) and, for the entropy, of exp(logit - max) *
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from models.dtypes import upcast
+from models.ops.logsoftmax import exp_sums, logit_grads
 
 __all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs", "whole_chunks"]
 
@@ -155,13 +158,8 @@ class CompactLogprobsFunction(torch.autograd.Function):
             tgt_P[sel] = logits_RV[pred_row_P[sel] - a, local_target_P[sel]]
             max_R = logits_RV.amax(dim=-1)
             shards.max_(max_R)
-            shifted_RV = logits_RV.sub_(max_R[:, None])
-            exp_RV = shifted_RV.exp()
-            if with_entropy:
-                # Entropy = log Z - sum(e (l - max)) / Z: two non-negative terms, no cancellation.
-                sums = torch.stack([exp_RV.sum(-1), exp_RV.mul_(shifted_RV).sum(-1)])
-            else:
-                sums = exp_RV.sum(-1)[None]
+            # Entropy = log Z - sum(e (l - max)) / Z: two non-negative terms, no cancellation.
+            sums = exp_sums(logits_RV, max_R, with_entropy)
             shards.sum_(sums)
             log_z_R = sums[0].log()
             lse_U[a:b] = max_R + log_z_R
@@ -200,14 +198,12 @@ class CompactLogprobsFunction(torch.autograd.Function):
         for i, a in enumerate(range(0, U, ctx.chunk_rows)):
             b = min(a + ctx.chunk_rows, U)
             h = hidden_CD[rows_U[a:b]]
-            logp = _mm(h, weight_VD.T, cdt).sub_(lse_U[a:b, None])
-            p = logp.exp()
-            dlogits = p * (-g_U[a:b, None])
-            if ge_U is not None:
-                dlogits -= ge_U[a:b, None] * p * (logp + ent_U[a:b, None])
             sel = order[bounds[i] : bounds[i + 1]]
-            dlogits.index_put_((pred_row_P[sel] - a, local_target_P[sel]), donehot_P[sel], accumulate=True)
-            dlogits = dlogits.to(hidden_CD.dtype)
+            dlogits = logit_grads(
+                _mm(h, weight_VD.T, cdt), lse_U[a:b], g_U[a:b], pred_row_P[sel] - a, local_target_P[sel],
+                donehot_P[sel], None if ge_U is None else ge_U[a:b], None if ge_U is None else ent_U[a:b],
+                hidden_CD.dtype,
+            )
             if dhidden_CD is not None:
                 dhidden_CD.index_add_(0, rows_U[a:b], dlogits @ weight_VD)
             if dweight_VD is not None:

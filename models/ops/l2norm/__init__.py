@@ -1,17 +1,17 @@
-"""L2 norm over the last dim: `l2norm` runs the Triton `fused_l2norm` on CUDA unless `set_fused_rowwise(False)`, and
-`naive_l2norm` otherwise."""
+"""L2 norm over the last dim: `l2_norm` runs the Triton `fused_l2_norm` on CUDA unless `set_fused_rowwise(False)`, and
+`naive_l2_norm` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
-from models.ops.l2norm.naive import naive_l2norm
+from models.ops.l2norm.naive import naive_l2_norm
 
 
-def l2norm(x, eps=1e-6):
-    """Signature and returns of `models.ops.l2norm.naive.naive_l2norm`."""
+def l2_norm(x, eps=1e-6):
+    """Signature and returns of `models.ops.l2norm.naive.naive_l2_norm`."""
     if use_fused_rowwise(x):
-        from models.ops.l2norm.fused import fused_l2norm
+        from models.ops.l2norm.fused import fused_l2_norm
 
-        return fused_l2norm(x, eps)
-    return naive_l2norm(x, eps)
+        return fused_l2_norm(x, eps)
+    return naive_l2_norm(x, eps)
 
 
-__all__ = ["l2norm", "naive_l2norm"]
+__all__ = ["l2_norm", "naive_l2_norm"]

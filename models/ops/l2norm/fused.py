@@ -1,7 +1,7 @@
 """Fused L2 norm fast path (CUDA): one Triton pass forward, one backward (`kernels.py`).
 
 Legend: ... leading dims, T rows (leading dims but the last flattened), H heads, K normalised dim.
-Reference with the same signature: `models.ops.l2norm.naive.naive_l2norm`.
+Reference with the same signature: `models.ops.l2norm.naive.naive_l2_norm`.
 
 The reference's upcast, square, sum, rsqrt, multiply and downcast kernels (and autograd's as many again backward,
 with an fp32 copy of the input saved) become one pass each way with no fp32 tensor in memory: forward reads x and
@@ -52,6 +52,6 @@ class L2NormFunction(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def fused_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """As `naive_l2norm` (bf16/fp16/fp32 on CUDA)."""
+def fused_l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """As `naive_l2_norm` (bf16/fp16/fp32 on CUDA)."""
     return L2NormFunction.apply(_as_THK(x), float(eps)).view(x.shape)

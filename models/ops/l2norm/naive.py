@@ -9,7 +9,7 @@ import torch
 from models.dtypes import upcast
 
 
-def naive_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def naive_l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim `[..., K]`, computed in fp32 (float64 stays float64) and rounded
     once to x.dtype."""
     xf = x.to(upcast(x.dtype))

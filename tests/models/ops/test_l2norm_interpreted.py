@@ -20,8 +20,8 @@ CASES = [((37, 4, 64), "bfloat16", True), ((5, 3, 100), "float32", False), ((0, 
 SCRIPT = """
 import json, sys
 import torch
-from models.ops.l2norm.fused import fused_l2norm
-from models.ops.l2norm.naive import naive_l2norm
+from models.ops.l2norm.fused import fused_l2_norm
+from models.ops.l2norm.naive import naive_l2_norm
 
 results = {}
 for (T, H, K), dtype, strided in json.loads(sys.argv[1]):
@@ -33,10 +33,10 @@ for (T, H, K), dtype, strided in json.loads(sys.argv[1]):
         x = torch.randn(T, H, K, generator=g).to(dtype)
     dy = torch.randn(T, H, K, generator=g).to(dtype)
     leaf = x.detach().requires_grad_()
-    y = fused_l2norm(leaf)
+    y = fused_l2_norm(leaf)
     (dx,) = torch.autograd.grad(y, leaf, dy)
     ref_leaf = x.detach().double().requires_grad_()
-    ref = naive_l2norm(ref_leaf)
+    ref = naive_l2_norm(ref_leaf)
     (ref_dx,) = torch.autograd.grad(ref, ref_leaf, dy.double())
     # One rounding of an fp32 value, to within a bf16 ulp (2^-7 of the row's largest value: the interpreter rounds
     # fp32 to bf16 toward zero, the GPU to nearest) or 2^-20 in fp32 (room for the sum's order) of the float64

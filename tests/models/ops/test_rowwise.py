@@ -1,4 +1,5 @@
-"""Row-wise op references (RMSNorm + residual, SwiGLU, sigmoid gate) on CPU: the dispatchers pick them on CPU and
+"""Row-wise op references (RMSNorm + residual, SwiGLU, sigmoid gate, q/k L2 norm, the log-probabilities'
+vocabulary passes) on CPU: the dispatchers pick them on CPU and
 in float64, and they equal transformers' modules (and the code they replaced) bit for bit.
 
 Tolerances: same operation order: bitwise (fp32 and bf16).
@@ -122,6 +123,55 @@ def test_kda_decay_reference_equals_the_replaced_code(dtype, monkeypatch):
     expected = -A_log.to(up).exp().view(H, 1) * F.softplus((f.to(up) + dt_bias.to(up)).view(T, H, K))
     assert torch.equal(naive_kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
     assert torch.equal(kda_decay(f.view(T, H, K), A_log, dt_bias), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_l2norm_reference_equals_the_replaced_code(dtype, monkeypatch):
+    """`models.linear_attention.l2norm` before the dispatcher, on a head-strided view of a q|k|v tensor."""
+    import models.ops.l2norm.fused as l2norm_fused
+    from models.ops import l2_norm
+    from models.ops.l2norm import naive_l2_norm
+
+    monkeypatch.setattr(l2norm_fused, "fused_l2_norm", refuse)
+    qkv = tensors(dtype, 5, 3 * 2 * 8)[0]
+    k = qkv[:, 16:32].view(5, 2, 8)
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = (k.to(up) * torch.rsqrt(k.to(up).pow(2).sum(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(naive_l2_norm(k), expected)
+    assert torch.equal(l2_norm(k), expected)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_vocabulary_pass_references_equal_the_replaced_code(dtype, entropy, monkeypatch):
+    """`models.logprobs.CompactLogprobsFunction`'s chunk passes before the dispatchers (in-place shifts, a one-hot
+    `index_put_` with accumulation, one cast)."""
+    import models.ops.logsoftmax.fused as logsoftmax_fused
+    from models.ops.logsoftmax import exp_sums, logit_grads
+
+    monkeypatch.setattr(logsoftmax_fused, "fused_exp_sums", refuse)
+    monkeypatch.setattr(logsoftmax_fused, "fused_logit_grads", refuse)
+    gen = torch.Generator().manual_seed(6)
+    logits = (4 * torch.randn(5, 40, generator=gen)).to(dtype)
+    max_R = logits.amax(-1)
+    shifted = logits.clone().sub_(max_R[:, None])
+    e = shifted.exp()
+    expected = torch.stack([e.sum(-1), e.mul_(shifted).sum(-1)]) if entropy else shifted.exp().sum(-1)[None]
+    sums = exp_sums(logits, max_R, entropy)
+    assert torch.equal(sums, expected)
+    lse = max_R + sums[0].log()
+    ent = sums[0].log() - sums[1] / sums[0] if entropy else None
+    rows, targets = torch.tensor([1, 4, 4, 4]), torch.tensor([3, 0, 7, 0])
+    values, g_R, ge_R = torch.randn(4, generator=gen), torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    logp = logits.clone().sub_(lse[:, None])
+    p = logp.exp()
+    d = p * (-g_R[:, None])
+    if entropy:
+        d -= ge_R[:, None] * p * (logp + ent[:, None])
+    d.index_put_((rows, targets), values.to(dtype), accumulate=True)
+    got = logit_grads(logits, lse, g_R, rows, targets, values.to(dtype), ge_R if entropy else None, ent,
+                      torch.bfloat16)
+    assert torch.equal(got, d.bfloat16())
 
 
 def test_fused_rowwise_is_the_default_and_can_be_switched_off(monkeypatch):

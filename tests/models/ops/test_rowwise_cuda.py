@@ -1,7 +1,7 @@
-"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual), the q/k L2 norm and
-the MoE combine (own Triton kernels), SwiGLU, the sigmoid gate and the KDA decay gate (fla), forward and every gradient; and row
-independence: a row's output (and input gradient) is bitwise the same in a call of 7 rows, of 5,000 rows, and
-after a shuffle.
+"""Fused row-wise ops (CUDA only) against their plain-torch references: RMSNorm (+ residual), the q/k L2 norm, the
+log-probabilities' vocabulary passes and the MoE combine (own Triton kernels), SwiGLU, the sigmoid gate and the KDA
+decay gate (fla), forward and every gradient; and row independence: a row's output (and input gradient) is bitwise
+the same in a call of 7 rows, of 5,000 rows, and after a shuffle.
 
 Tolerances (relative RMS error against the reference in the same dtype): fp32 1e-5 outputs and gradients (the
 reductions' order differs); bf16 1e-2 outputs, 2e-2 gradients (the fused paths round once where the references
@@ -15,8 +15,10 @@ from models.ops.combine import naive_moe_combine
 from models.ops.combine.fused import fused_moe_combine
 from models.ops.gate import fused_kda_decay, naive_kda_decay
 from models.ops.glu import fused_sigmoid_gate, fused_swiglu, naive_sigmoid_gate, naive_swiglu
-from models.ops.l2norm import naive_l2norm
-from models.ops.l2norm.fused import fused_l2norm
+from models.ops.l2norm import naive_l2_norm
+from models.ops.l2norm.fused import fused_l2_norm
+from models.ops.logsoftmax import naive_exp_sums, naive_logit_grads
+from models.ops.logsoftmax.fused import fused_exp_sums, fused_logit_grads
 from models.ops.rmsnorm import naive_rms_norm
 from models.ops.rmsnorm.fused import fused_rms_norm
 
@@ -95,8 +97,8 @@ def test_fused_l2norm_matches_reference_on_head_strided_views(dtype, K):
         return lambda qkv: op(qkv[:, H * K : 2 * H * K].view(T, H, K))
 
     qkv = randn(T, 3 * H * K, dtype=dtype, seed=4, scale=3.0)
-    out, grads = outputs_and_grads(k_heads(fused_l2norm), [qkv])
-    out_ref, grads_ref = outputs_and_grads(k_heads(naive_l2norm), [qkv])
+    out, grads = outputs_and_grads(k_heads(fused_l2_norm), [qkv])
+    out_ref, grads_ref = outputs_and_grads(k_heads(naive_l2_norm), [qkv])
     tol_out, tol_grad = TOLERANCES[dtype]
     assert_close("y", out[0], out_ref[0], tol_out)
     assert_close("dqkv", grads[0], grads_ref[0], tol_grad)
@@ -129,7 +131,7 @@ ROW_OPS = {
     "rms_norm_128": (lambda x, w, r: fused_rms_norm(x, w, 1e-6, True)[0], 128),
     "swiglu_512": (lambda x, w, r: fused_swiglu(x, r), 512),
     "sigmoid_gate_2048": (lambda x, w, r: fused_sigmoid_gate(x, r), 2048),
-    "l2norm_16x128": (lambda x, w, r: fused_l2norm(x.view(-1, 16, 128)).view(x.shape), 2048),
+    "l2_norm_16x128": (lambda x, w, r: fused_l2_norm(x.view(-1, 16, 128)).view(x.shape), 2048),
 }
 
 
@@ -226,3 +228,42 @@ def test_kda_decay_rows_do_not_depend_on_the_other_rows():
     for rows in (torch.arange(7, device="cuda"), perm):
         for name, a, b in zip(("g", "df"), run(rows), full):
             assert torch.equal(a, b[rows]), f"{name} ({len(rows)} rows) differs"
+
+
+def vocabulary_case(R, V, seed=0):
+    """fp32 logits `[R, V]`, their max, log-sum-exp and entropy, and predictions: row 0 none, every other row one,
+    the last row two more (one target repeated), with their incoming gradients."""
+    logits = randn(R, V, dtype=torch.float32, seed=seed, scale=4.0)
+    max_R = logits.amax(-1)
+    sums = naive_exp_sums(logits, max_R, True)
+    lse, ent = max_R + sums[0].log(), sums[0].log() - sums[1] / sums[0]
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.cat([torch.arange(1, R), torch.tensor([R - 1, R - 1])]).cuda()
+    targets = torch.cat([torch.randint(V, (R - 1,), generator=gen), torch.tensor([0, 0])]).cuda()
+    values = randn(rows.numel(), dtype=torch.float32, seed=seed + 1)
+    g_R = torch.zeros(R, device="cuda").index_add_(0, rows, values)
+    return logits, max_R, lse, ent, rows, targets, values, g_R, randn(R, dtype=torch.float32, seed=seed + 2)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "entropy"])
+@pytest.mark.parametrize("V", [5000, 157184])
+def test_fused_vocabulary_passes_match_reference(entropy, V):
+    logits, max_R, lse, ent, rows, targets, values, g_R, ge_R = vocabulary_case(426, V)
+    assert_close("sums", fused_exp_sums(logits, max_R, entropy), naive_exp_sums(logits, max_R, entropy), 1e-5)
+    args = (logits, lse, g_R, rows, targets, values, ge_R if entropy else None, ent if entropy else None)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        assert_close(f"dlogits {dtype}", fused_logit_grads(*args, dtype), naive_logit_grads(*args, dtype), tolerance)
+
+
+def test_vocabulary_passes_rows_do_not_depend_on_the_other_rows():
+    """A row's sums and bf16 logit gradient are bitwise equal in a chunk of 426 rows and alone with its predictions."""
+    logits, max_R, lse, ent, rows, targets, values, g_R, ge_R = vocabulary_case(426, 157184)
+    sums = fused_exp_sums(logits, max_R, True)
+    d = fused_logit_grads(logits, lse, g_R, rows, targets, values, ge_R, ent, torch.bfloat16)
+    for r in (0, 1, 425):
+        own = rows == r
+        one = slice(r, r + 1)
+        assert torch.equal(fused_exp_sums(logits[one], max_R[one], True), sums[:, one]), f"sums of row {r}"
+        d_r = fused_logit_grads(logits[one], lse[one], g_R[one], rows[own] - r, targets[own], values[own], ge_R[one],
+                                ent[one], torch.bfloat16)
+        assert torch.equal(d_r, d[one]), f"gradient of row {r}"
