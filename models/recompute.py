@@ -7,9 +7,10 @@ non-reentrant checkpoint from its inputs, inside the layer's call (so inside its
 or tree context. With op groups to save, an op-level policy (`torch.utils.checkpoint.
 create_selective_checkpoint_contexts`) keeps the outputs of those ATen ops from the forward and recomputes the rest.
 
-The policy sees every ATen op that runs eagerly, also inside an autograd Function's forward (the flash
-attention ops of `models.ops.varlen_attention` are called there: the "attention" group relies on it). It does not
-see the kernels a Function launches directly (fla's KDA/GDN Triton kernels, the fused row-wise kernels of
+The policy sees every ATen op and torch custom op that runs eagerly, also inside an autograd Function's forward (the
+attention forwards of `models.ops.varlen_attention` are called there, flash's ATen op and FlashAttention-4's custom
+op `arbor::fa4_varlen_forward`: the "attention" group relies on it). It does not see the kernels a Function launches
+directly (fla's KDA/GDN Triton kernels, the fused row-wise kernels of
 `models.ops`): they run again in the recomputation, on the recomputed inputs. Nor does it see compiled regions
 (`torch.compile`: the flex attention of tree execution on CUDA), which are recomputed whole. No group saves a tensor
 such a kernel writes into after the op that made it (a kernel's write does not bump the version counter, so a cached
@@ -41,11 +42,13 @@ SaveGroup = Literal["attention", "experts", "mm"]
 
 #: The ops of each `save` group by qualified name (`str(op)`: "namespace.op.overload", a higher-order op's name),
 #: matched when the policy sees an op, so an op registered late (by an import) is matched too. Every name is an op of
-#: torch 2.13 (`tests/models/test_recompute.py`).
+#: torch 2.13 or one `models.ops` registers (`tests/models/test_recompute.py`).
 SAVE_GROUPS: dict[str, frozenset[str]] = {
-    # Softmax attention kernels: output and log-sum-exp. Flash (flat attention and the tree's branch views), eager
-    # flex attention (the tree's "flex" backend off CUDA; on CUDA it runs compiled, which the policy does not see).
-    "attention": frozenset({"aten._flash_attention_forward.default", "flex_attention"}),
+    # Softmax attention kernels: output and log-sum-exp. Flash and FlashAttention-4 (flat attention and the tree's
+    # branch views), eager flex attention (the tree's "flex" backend off CUDA; on CUDA it runs compiled, which the
+    # policy does not see).
+    "attention": frozenset({"aten._flash_attention_forward.default", "arbor.fa4_varlen_forward.default",
+                            "flex_attention"}),
     # Routed experts: the grouped GEMMs of the CUDA path and the router's top-k choice (which also keeps the
     # recomputed routing identical to the forward's).
     "experts": frozenset({"aten._grouped_mm.default", "aten.topk.default"}),

@@ -107,8 +107,9 @@ def test_op_policy_keeps_the_saved_outputs():
 
 
 def test_save_groups_name_ops_of_this_torch():
-    """Every name in SAVE_GROUPS is an op of this torch (an ATen op overload or the flex-attention higher-order op),
-    registered without importing anything but torch, so a misspelt or removed op cannot hide in a group."""
+    """Every name in SAVE_GROUPS is an op of this torch (an ATen op overload or the flex-attention higher-order op)
+    or a custom op `models` registers on import (`arbor::fa4_varlen_forward`), so a misspelt or removed op cannot
+    hide in a group."""
     for group, names in SAVE_GROUPS.items():
         for name in names:
             if name == "flex_attention":
@@ -120,6 +121,7 @@ def test_save_groups_name_ops_of_this_torch():
 
 @pytest.mark.parametrize("group, op", [
     ("attention", torch.ops.aten._flash_attention_forward.default),
+    ("attention", torch.ops.arbor.fa4_varlen_forward.default),
     ("attention", torch._higher_order_ops.flex_attention),
     ("experts", torch.ops.aten._grouped_mm.default),
     ("mm", torch.ops.aten.addmm.default),
@@ -133,6 +135,42 @@ def test_policy_saves_the_ops_of_its_groups(group, op):
     for name in others + ["aten.empty.memory_format", "aten.add.Tensor"]:
         assert policy(None, functools.reduce(getattr, name.split("."), torch.ops)) == CheckpointPolicy.PREFER_RECOMPUTE
     assert save_ops(("attention", "mm")) == SAVE_GROUPS["attention"] | SAVE_GROUPS["mm"]
+
+
+@pytest.mark.parametrize("save, forward_calls", [(("attention",), 1), ((), 2)], ids=["attention", "nothing"])
+def test_fa4_forward_is_kept_by_the_attention_group(save, forward_calls, monkeypatch):
+    """FlashAttention-4's forward (a custom op, run inside the attention Function) runs once when "attention" is
+    saved and again in backward otherwise; the gradients are the same. Its kernel is faked by the reference on the
+    CPU (FlashAttention-4 needs a Hopper GPU); the op, the Function and the policy are the real ones."""
+    import models.ops.varlen_attention.fa4 as fa4
+    import models.ops.varlen_attention.function as function
+    from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
+
+    calls = []
+
+    class FakeInterface:
+        @staticmethod
+        def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            causal, return_lse):
+            calls.append(q.shape)
+            return naive_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale)
+
+    monkeypatch.setattr(fa4, "fa4_interface", lambda: FakeInterface)
+    monkeypatch.setattr(function, "varlen_kernels", lambda x: (fa4.fa4_varlen_forward, naive_varlen_backward))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(11, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    cu_ = torch.tensor([0, 4, 11])
+
+    def block(q_, k_, v_):
+        return function.varlen_attention(q_ * 2, k_, v_, cu_, cu_, 7, 7, 0.5).sin()
+
+    out = LayerRecompute(save=save).run(block, q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(calls) == forward_calls
+    expected = torch.autograd.grad(block(q, k, v).sum(), (q, k, v))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))

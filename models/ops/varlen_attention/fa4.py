@@ -8,7 +8,8 @@ or MLA's (K, V) = (192, 128) without GQA (`native_values`; MLA's value work is t
 Other shapes failed in flash-attn-4 4.0.0b36 on the H200: GQA with V != K ("GQA backward requires head_dim ==
 head_dim_v"), (64, 32) (a TMA layout error at compile time). For those the values are zero-padded to K inside the
 pair, exactly as in `flash.py`, and the outputs cut back. flash-attn-4 is imported on first call: the package is
-optional (`require_fa4`, checked by `kernels.use_cuda_attention`)."""
+optional (`require_fa4`, checked by `kernels.use_cuda_attention`). The forward is a torch custom op, so selective
+recomputation keeps its outputs as it keeps flash's (`models.recompute`)."""
 
 from __future__ import annotations
 
@@ -54,8 +55,18 @@ def native_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor) -> bool:
     return K == V or (q_QHK.shape[1] == v_SGV.shape[1] and (K, V) in NATIVE_MLA_DIMS)
 
 
-def fa4_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, scale: float):
-    """-> (out `[Q, H, V]`, lse `[H, Q]` float32)."""
+@torch.library.custom_op(
+    "arbor::fa4_varlen_forward", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int max_q, int max_k, float scale) -> "
+           "(Tensor, Tensor)",
+)
+def fa4_varlen_forward(q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out `[Q, H, V]`, lse `[H, Q]` float32).
+
+    A torch custom op (`arbor::fa4_varlen_forward`, returning new tensors), so that activation recomputation's op
+    policy sees the forward as one op and its "attention" group keeps out and lse instead of running the kernel
+    again (`models.recompute.SAVE_GROUPS`), as it does for flash's `aten::_flash_attention_forward`."""
     V = v_SGV.shape[-1]
     v = v_SGV if native_values(q_QHK, v_SGV) else pad_to(v_SGV, q_QHK.shape[-1])
     out, lse, *_ = fa4_interface()._flash_attn_fwd(
@@ -63,6 +74,12 @@ def fa4_varlen_forward(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q: int, max_k: int, 
         max_seqlen_k=max_k, softmax_scale=scale, causal=True, return_lse=True,
     )
     return (out[..., :V].contiguous() if out.shape[-1] > V else out), lse
+
+
+@fa4_varlen_forward.register_fake
+def _(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale):
+    Q, H = q_QHK.shape[:2]
+    return q_QHK.new_empty(Q, H, v_SGV.shape[-1]), q_QHK.new_empty(H, Q, dtype=torch.float32)
 
 
 def fa4_varlen_backward(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, max_q: int, max_k: int,
