@@ -24,7 +24,7 @@ def num_warps(K: int) -> int:
 
 
 @triton.jit
-def _rows(x, i_p, R, H, stride_t, stride_h, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def _rows(i_p, R, H, stride_t, stride_h, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     """Block i_p's (row, head) pairs: (input offsets [BR, BK], contiguous offsets [BR, BK], mask [BR, BK])."""
     o_r = i_p * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
@@ -37,7 +37,7 @@ def _rows(x, i_p, R, H, stride_t, stride_h, K: tl.constexpr, BK: tl.constexpr, B
 @triton.jit(do_not_specialize=["R"])
 def l2norm_fwd_kernel(x, y, R, H, stride_t, stride_h, eps, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     """y = x rsqrt(sum(x^2) + eps) per row, in fp32, one rounding."""
-    p_x, p_y, m = _rows(x, tl.program_id(0).to(tl.int64), R, H, stride_t, stride_h, K, BK, BR)
+    p_x, p_y, m = _rows(tl.program_id(0).to(tl.int64), R, H, stride_t, stride_h, K, BK, BR)
     b_x = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32)
     b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) + eps)
     tl.store(y + p_y, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
@@ -47,7 +47,7 @@ def l2norm_fwd_kernel(x, y, R, H, stride_t, stride_h, eps, K: tl.constexpr, BK: 
 def l2norm_bwd_kernel(x, dy, dx, R, H, stride_t, stride_h, eps, K: tl.constexpr, BK: tl.constexpr,
                       BR: tl.constexpr):
     """dx = r (dy - y sum(dy y)) per row, r = rsqrt(sum(x^2) + eps) and y = x r recomputed in fp32."""
-    p_x, p_y, m = _rows(x, tl.program_id(0).to(tl.int64), R, H, stride_t, stride_h, K, BK, BR)
+    p_x, p_y, m = _rows(tl.program_id(0).to(tl.int64), R, H, stride_t, stride_h, K, BK, BR)
     b_x = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32)
     b_dy = tl.load(dy + p_y, mask=m, other=0.0).to(tl.float32)
     b_r = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) + eps)
