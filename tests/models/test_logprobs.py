@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from models import logprobs
 from models.logprobs import (
     VocabShards, compact_logprobs, naive_compact_logprobs, sharded_compact_logprobs, whole_chunks,
 )
@@ -24,9 +25,13 @@ def rel(a, b):
     return (a - b).norm().item() / max(b.norm().item(), 1e-300)
 
 
+@pytest.mark.parametrize("group_chunks", [1, 2, None], ids=["group1", "group2", "one-group"])
 @pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
 @pytest.mark.parametrize("entropy", [False, True])
-def test_compact_logprobs_matches_naive(chunk_rows, entropy):
+def test_compact_logprobs_matches_naive(chunk_rows, entropy, group_chunks, monkeypatch):
+    """Also with the LM-head gradient accumulated per chunk, per two chunks (the last group short) and once."""
+    if group_chunks is not None:
+        monkeypatch.setattr(logprobs, "WEIGHT_GRAD_GROUP_BYTES", group_chunks * min(chunk_rows, 13) * 29 * 8)
     g = torch.Generator().manual_seed(0)
     C, D, V, S = 13, 7, 29, 40
     hidden = torch.randn(C, D, dtype=torch.float64, generator=g, requires_grad=True)

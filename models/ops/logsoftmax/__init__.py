@@ -14,13 +14,13 @@ def exp_sums(logits_RV, max_R, with_entropy):
     return naive_exp_sums(logits_RV, max_R, with_entropy)
 
 
-def logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype):
+def logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype, out=None):
     """Signature and returns of `models.ops.logsoftmax.naive.naive_logit_grads`."""
     if use_fused_rowwise(logits_RV):
         from models.ops.logsoftmax.fused import fused_logit_grads
 
-        return fused_logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype)
-    return naive_logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype)
+        return fused_logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype, out)
+    return naive_logit_grads(logits_RV, lse_R, g_R, rows_P, targets_P, values_P, ge_R, ent_R, dtype, out)
 
 
 __all__ = ["exp_sums", "logit_grads", "naive_exp_sums", "naive_logit_grads"]

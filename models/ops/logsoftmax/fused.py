@@ -35,10 +35,11 @@ def fused_exp_sums(logits_RV: torch.Tensor, max_R: torch.Tensor, with_entropy: b
 def fused_logit_grads(
     logits_RV: torch.Tensor, lse_R: torch.Tensor, g_R: torch.Tensor, rows_P: torch.Tensor, targets_P: torch.Tensor,
     values_P: torch.Tensor, ge_R: torch.Tensor | None, ent_R: torch.Tensor | None, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As `naive_logit_grads` (fp32 logits with unit column stride on CUDA; `rows_P` ascending)."""
     R, V = logits_RV.shape
-    d_RV = torch.empty(R, V, dtype=dtype, device=logits_RV.device)
+    d_RV = torch.empty(R, V, dtype=dtype, device=logits_RV.device) if out is None else out
     # Row r's predictions are ptr[r]:ptr[r + 1] (rows_P ascending): no host synchronisation.
     ptr = torch.searchsorted(rows_P, torch.arange(R + 1, device=rows_P.device))
     entropy = ge_R is not None

@@ -25,6 +25,7 @@ def naive_exp_sums(logits_RV: torch.Tensor, max_R: torch.Tensor, with_entropy: b
 def naive_logit_grads(
     logits_RV: torch.Tensor, lse_R: torch.Tensor, g_R: torch.Tensor, rows_P: torch.Tensor, targets_P: torch.Tensor,
     values_P: torch.Tensor, ge_R: torch.Tensor | None, ent_R: torch.Tensor | None, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of the chunk's logits: with logp = logits - lse and p = exp(logp),
     d = -g p - ge p (logp + ent) (the entropy term only with `ge_R`), plus `values_P[j]` at (rows_P[j],
@@ -38,7 +39,8 @@ def naive_logit_grads(
             does not hold the target).
         ge_R, ent_R: `[R]` the sum of incoming entropy gradients and the entropies, or both None.
         dtype: the dtype of the result (the hidden states').
-    Returns: `[R, V]` in `dtype`.
+        out: `[R, V]` contiguous in `dtype` to write the result into, or None (a new tensor).
+    Returns: `[R, V]` in `dtype` (`out` when given).
     """
     logp_RV = logits_RV - lse_R[:, None]
     p_RV = logp_RV.exp()
@@ -46,4 +48,4 @@ def naive_logit_grads(
     if ge_R is not None:
         d_RV -= ge_R[:, None] * p_RV * (logp_RV + ent_R[:, None])
     d_RV.index_put_((rows_P, targets_P), values_P, accumulate=True)
-    return d_RV.to(dtype)
+    return d_RV.to(dtype) if out is None else out.copy_(d_RV)
