@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from models.dtypes import upcast
+from models.dtypes import mm_upcast, upcast
 from models.ops.logsoftmax import exp_sums, logit_grads
 
 __all__ = ["VocabShards", "compact_logprobs", "naive_compact_logprobs", "sharded_compact_logprobs", "whole_chunks"]
@@ -77,18 +77,8 @@ class VocabShards:
         """Elementwise sum of `x` over the shards, in place."""
 
 
-def _mm(a_MK: torch.Tensor, b_KN: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """[M, N] product in the compute dtype `cdt`, accumulated there and never rounded to a low-precision input dtype.
-    bf16/fp16 on CUDA: one cuBLAS call writing fp32 (no product in the input dtype, no cast copy)."""
-    if a_MK.dtype == cdt:
-        return a_MK @ b_KN
-    if a_MK.is_cuda and cdt == torch.float32:
-        return torch.mm(a_MK, b_KN, out_dtype=cdt)
-    return a_MK.to(cdt) @ b_KN.to(cdt)
-
-
 def _addmm_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> None:
-    """acc += a @ b in place, with `acc` in the compute dtype (see `_mm`): on CUDA one cuBLAS call with beta = 1,
+    """acc += a @ b in place, with `acc` in the compute dtype (see `models.dtypes.mm_upcast`): on CUDA one cuBLAS call with beta = 1,
     instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient: [V, D] per chunk)."""
     if a_MK.dtype == acc_MN.dtype:
         acc_MN.addmm_(a_MK, b_KN)
@@ -122,7 +112,7 @@ def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
 def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
     """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, weight_VD.shape[0])
-    logp_CV = torch.log_softmax(_mm(hidden_CD, weight_VD.T, upcast(hidden_CD.dtype)), dim=-1)
+    logp_CV = torch.log_softmax(mm_upcast(hidden_CD, weight_VD.T, upcast(hidden_CD.dtype)), dim=-1)
     valid = logit_row_S >= 0
     rows = logit_row_S.clamp(min=0)
     out = torch.where(valid, logp_CV[rows, target_S.clamp(min=0)], torch.zeros((), dtype=logp_CV.dtype))
@@ -156,7 +146,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
         order, bounds = _predictions_by_chunk(pred_row_P, U, chunk_rows)
         for i, a in enumerate(range(0, U, chunk_rows)):
             b = min(a + chunk_rows, U)
-            logits_RV = _mm(hidden_CD[rows_U[a:b]], weight_VD.T, cdt)
+            logits_RV = mm_upcast(hidden_CD[rows_U[a:b]], weight_VD.T, cdt)
             # Target logits from the very logits the log-sum-exp sums (one GEMM shape per chunk).
             sel = order[bounds[i] : bounds[i + 1]]
             tgt_P[sel] = logits_RV[pred_row_P[sel] - a, local_target_P[sel]]
@@ -211,7 +201,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
             h = hidden_CD[rows_U[a:b]]
             sel = order[bounds[i] : bounds[i + 1]]
             dlogits = logit_grads(
-                _mm(h, weight_VD.T, cdt), lse_U[a:b], g_U[a:b], pred_row_P[sel] - a, local_target_P[sel],
+                mm_upcast(h, weight_VD.T, cdt), lse_U[a:b], g_U[a:b], pred_row_P[sel] - a, local_target_P[sel],
                 donehot_P[sel], None if ge_U is None else ge_U[a:b], None if ge_U is None else ent_U[a:b],
                 hidden_CD.dtype, None if group_dlogits is None else group_dlogits[a - start : b - start],
             )

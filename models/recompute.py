@@ -52,8 +52,9 @@ SAVE_GROUPS: dict[str, frozenset[str]] = {
     # Routed experts: the grouped GEMMs of the CUDA path and the router's top-k choice (which also keeps the
     # recomputed routing identical to the forward's).
     "experts": frozenset({"aten._grouped_mm.default", "aten.topk.default"}),
-    # All remaining GEMMs: projections, shared experts, and the plain-torch references' attention and expert matmuls.
-    "mm": frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}),
+    # All remaining GEMMs: projections, shared experts, the bf16 router's fp32-writing GEMMs (`aten.mm.dtype`), and
+    # the plain-torch references' attention and expert matmuls.
+    "mm": frozenset({"aten.mm.default", "aten.mm.dtype", "aten.addmm.default", "aten.bmm.default"}),
 }
 
 _saving_ops = contextvars.ContextVar("saving_ops", default=True)

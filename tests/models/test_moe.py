@@ -93,16 +93,44 @@ def test_update_expert_bias_moves_load_towards_the_mean():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_router_logits_do_not_depend_on_the_other_rows(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_router_logits_do_not_depend_on_the_other_rows(device, dtype):
     """A row's fp32 router logits are bitwise the same in a call of 7 rows, of 5,000 rows and after a shuffle (one
-    GEMM per batch is not: on CPU, plain F.linear differs here for 7 rows vs 5,000), and equal x @ W.T."""
+    GEMM per batch is not: on CPU, plain F.linear differs here for 7 rows vs 5,000), and equal x @ W.T (bf16 inputs:
+    the bf16 path's GEMMs writing fp32)."""
     from models.moe import router_logits
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(5000, 256, generator=g).to(device), torch.randn(64, 256, generator=g).to(device)
+    x, w = (torch.randn(5000, 256, generator=g).to(device, dtype), torch.randn(64, 256, generator=g).to(device, dtype))
     full = router_logits(x, w)
     perm = torch.randperm(5000, generator=g).to(device)
     assert torch.equal(router_logits(x[:7], w), full[:7])
     assert torch.equal(router_logits(x[perm], w), full[perm])
-    assert torch.allclose(full, x @ w.T, rtol=1e-5, atol=1e-4)
+    assert full.dtype == torch.float32
+    assert torch.allclose(full, x.float() @ w.float().T, rtol=1e-5, atol=1e-4)
     assert router_logits(x[:0], w).shape == (0, 64)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_bf16_router_logits_match_the_reference(device):
+    """bf16 rows and weights: logits and both gradients as the reference's fp32 GEMMs on upcast copies (logits to
+    fp32 summation order; gradients to their bf16 rounding: the fp32 output gradient enters as two bf16 parts)."""
+    from models.moe import naive_router_logits, router_logits
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4500, 256, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(64, 256, generator=g) / 16).to(device, torch.bfloat16)
+    dlogits = torch.randn(4500, 64, generator=g).to(device)
+    results = []
+    for fn in (router_logits, naive_router_logits):
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        out = fn(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, dlogits)))
+    (out, dx, dw), (ref, ref_dx, ref_dw) = results
+    assert out.dtype == ref.dtype == torch.float32 and dx.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in ((dx, ref_dx), (dw, ref_dw)):
+        # One bf16 ulp of each value, plus 2^-17 of the largest (the split's error, met where a sum cancels).
+        bound = 2**-7 * b.float().abs() + 2**-17 * b.float().abs().max()
+        assert ((a.float() - b.float()).abs() <= bound).all(), ((a.float() - b.float()).abs() - bound).max()
