@@ -221,6 +221,24 @@ class Router(nn.Module):
         self.e_score_correction_bias += rate * torch.sign(counts.mean() - counts)
 
 
+class _DispatchRows(torch.autograd.Function):
+    """x `[T, D]` -> its k routed copies `[M, D]` in expert order (`x[row_M]`); backward sums each row's k copy
+    gradients with the combine (`moe_combine` with unit weights, slots `slot_Tk`: an fp32 sum in slot order, one
+    rounding, no atomics), in place of the gather's accumulating scatter (1.9 ms per ling-3-tiny MoE layer of a
+    60,664-row microbatch on the H200)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, row_M, slot_Tk):
+        ctx.save_for_backward(slot_Tk)
+        return x_TD[row_M]
+
+    @staticmethod
+    def backward(ctx, dy_MD):
+        (slot_Tk,) = ctx.saved_tensors
+        ones_Tk = torch.ones(slot_Tk.shape, dtype=upcast(dy_MD.dtype), device=dy_MD.device)
+        return moe_combine(dy_MD, slot_Tk, ones_Tk), None, None
+
+
 class Experts(nn.Module):
     """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first), `down_proj [E, D, F]`."""
 
@@ -244,10 +262,12 @@ class Experts(nn.Module):
         # Counts from the sorted ids (torch.bincount would synchronise with the host on CUDA).
         bounds = torch.arange(self.gate_up_proj.shape[0] + 1, device=flat_expert.device)
         counts_E = torch.searchsorted(flat_expert[order], bounds).diff()
-        y_MD = expert_swiglu(x_TD[order // k], self.gate_up_proj, self.down_proj, counts_E)
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
-        return moe_combine(y_MD, slot_of_row.view(T, k), routing.weights)
+        slot_Tk = slot_of_row.view(T, k)
+        y_MD = expert_swiglu(_DispatchRows.apply(x_TD, order // k, slot_Tk), self.gate_up_proj, self.down_proj,
+                             counts_E)
+        return moe_combine(y_MD, slot_Tk, routing.weights)
 
 
 class MoE(nn.Module):
