@@ -5,13 +5,9 @@ bf16, with rows holding no, one and several predictions (a repeated target among
 interpreter runs the kernels' indexing, masks and formulas, not the GPU's code; the CUDA cases
 (`test_rowwise_cuda.py`) cover that. TRITON_INTERPRET must be set before triton is imported, hence one subprocess."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.models.ops.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -62,12 +58,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def results():
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return run_interpreted(SCRIPT, CASES)
 
 
 @pytest.mark.parametrize("R,V,entropy,dtype", CASES)
