@@ -214,8 +214,9 @@ class TrainConfig:
     autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside `checkpoint.dir`
     (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
     fused_rowwise: bool = True
-    """GPU jobs: run RMSNorm (+ residual), SwiGLU, the sigmoid gates, KDA's decay gate and the MoE combine on fused
-    Triton kernels (models/ops, `set_fused_rowwise`); false = their plain-torch references. On by default: every
+    """GPU jobs: run RMSNorm (+ residual), the q/k L2 norm, SwiGLU, the sigmoid gates, KDA's decay gate, the MoE
+    combine and the log-probabilities' vocabulary passes on fused Triton kernels (models/ops, `set_fused_rowwise`);
+    false = their plain-torch references. On by default: every
     CUDA test of them passes on the H200, the bf16 tree's layer outputs stay bitwise equal to flat, and they make a
     step faster and lighter (measurements: models/ops/README.md). CPU jobs ignore it."""
     attention_kernels: Literal["flash", "fa4"] = "flash"
