@@ -239,6 +239,12 @@ class _DispatchRows(torch.autograd.Function):
         return moe_combine(dy_MD, slot_Tk, ones_Tk), None, None
 
 
+def dispatch_rows(x_TD: torch.Tensor, row_M: torch.Tensor, slot_Tk: torch.Tensor) -> torch.Tensor:
+    """The routed copies `x[row_M]` `[M, D]` of rows `[T, D]`; `slot_Tk` `[T, k]` the copy of each (row, choice),
+    the inverse of `row_M`. Backward sums each row's k copy gradients with the combine (`_DispatchRows`)."""
+    return _DispatchRows.apply(x_TD, row_M, slot_Tk)
+
+
 class Experts(nn.Module):
     """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first), `down_proj [E, D, F]`."""
 
@@ -265,8 +271,7 @@ class Experts(nn.Module):
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
         slot_Tk = slot_of_row.view(T, k)
-        y_MD = expert_swiglu(_DispatchRows.apply(x_TD, order // k, slot_Tk), self.gate_up_proj, self.down_proj,
-                             counts_E)
+        y_MD = expert_swiglu(dispatch_rows(x_TD, order // k, slot_Tk), self.gate_up_proj, self.down_proj, counts_E)
         return moe_combine(y_MD, slot_Tk, routing.weights)
 
 

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models.decoder import HybridForCausalLM
 from models.experts import expert_swiglu
-from models.moe import Experts, MoE, MoEStats, Routing
+from models.moe import Experts, MoE, MoEStats, Routing, dispatch_rows
 from models.ops import moe_combine
 from parallel.collectives import all_to_all_rows, copy_to_group, reduce_from_group
 from parallel.local_params import LocalParams, replicate_param, shard_param, swap_class
@@ -67,10 +67,11 @@ class EPExperts(LocalParams, Experts):
         flat_expert = routing.experts.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         counts_E = torch.bincount(flat_expert, minlength=self.num_experts)
-        y_MD = self.dispatched_swiglu(x_TD[order // k], counts_E)
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
-        return moe_combine(y_MD, slot_of_row.view(T, k), routing.weights)
+        slot_Tk = slot_of_row.view(T, k)
+        y_MD = self.dispatched_swiglu(dispatch_rows(x_TD, order // k, slot_Tk), counts_E)
+        return moe_combine(y_MD, slot_Tk, routing.weights)
 
     def dispatched_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Pairs `[M, D]` sorted by expert, counts `[E]` -> expert outputs `[M, D]` in the same order."""

@@ -20,6 +20,8 @@ from models.ops.logsoftmax import kernels
 def fused_exp_sums(logits_RV: torch.Tensor, max_R: torch.Tensor, with_entropy: bool) -> torch.Tensor:
     """As `naive_exp_sums` (fp32 logits with unit column stride on CUDA)."""
     R, V = logits_RV.shape
+    if logits_RV.stride(1) != 1 and V > 1:
+        raise ValueError(f"`logits_RV` needs unit column stride, got strides {logits_RV.stride()}")
     n = 2 if with_entropy else 1
     partial = torch.empty(n, R, kernels.NSPLIT, dtype=torch.float32, device=logits_RV.device)
     split_cols = triton.cdiv(triton.cdiv(V, kernels.NSPLIT), kernels.BV) * kernels.BV
@@ -39,6 +41,10 @@ def fused_logit_grads(
 ) -> torch.Tensor:
     """As `naive_logit_grads` (fp32 logits with unit column stride on CUDA; `rows_P` ascending)."""
     R, V = logits_RV.shape
+    if logits_RV.stride(1) != 1 and V > 1:
+        raise ValueError(f"`logits_RV` needs unit column stride, got strides {logits_RV.stride()}")
+    if out is not None and (out.shape != (R, V) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"`out` must be a contiguous [{R}, {V}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     d_RV = torch.empty(R, V, dtype=dtype, device=logits_RV.device) if out is None else out
     # Row r's predictions are ptr[r]:ptr[r + 1] (rows_P ascending): no host synchronisation.
     ptr = torch.searchsorted(rows_P, torch.arange(R + 1, device=rows_P.device))

@@ -127,7 +127,8 @@ def test_kda_decay_reference_equals_the_replaced_code(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_l2norm_reference_equals_the_replaced_code(dtype, monkeypatch):
-    """`models.linear_attention.l2norm` before the dispatcher, on a head-strided view of a q|k|v tensor."""
+    """The q/k L2 norm the linear-attention mixers computed before the dispatcher (`models.linear_attention.l2norm`),
+    on a head-strided view of a q|k|v tensor."""
     import models.ops.l2norm.fused as l2norm_fused
     from models.ops import l2_norm
     from models.ops.l2norm import naive_l2_norm
