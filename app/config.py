@@ -219,12 +219,13 @@ class TrainConfig:
     false = their plain-torch references. On by default: every
     CUDA test of them passes on the H200, the bf16 tree's layer outputs stay bitwise equal to flat, and they make a
     step faster and lighter (measurements: models/ops/README.md). CPU jobs ignore it."""
-    attention_kernels: Literal["flash", "fa4"] = "flash"
+    attention_kernels: Literal["auto", "flash", "fa4"] = "auto"
     """GPU jobs: the packed causal attention kernels of flat and tree execution alike (models/ops/varlen_attention,
     `use_cuda_attention`): "flash" = torch's FlashAttention-2; "fa4" = FlashAttention-4 (needs the flash-attn-4
-    package; on an H200 2.2x faster than flash on a SWE step's attention, forward and backward, and that step took
-    16-17% less time in both modes, with bf16 tree log-probs bitwise equal to flat: bench/RESULTS.md). CPU jobs
-    ignore it."""
+    package and a Hopper or newer GPU; on an H200 2.2x faster than flash on a SWE step's attention, forward and
+    backward, and that step took 16-17% less time in both modes, with bf16 tree log-probs bitwise equal to flat:
+    bench/RESULTS.md); "auto" = fa4 where it can run, else flash (the job prints which, and why). CPU jobs ignore
+    it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

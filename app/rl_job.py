@@ -56,7 +56,7 @@ from models.carry_microbatch import CarryStep
 from models.microbatch import Microbatch
 from models.ops.dispatch import set_fused_rowwise
 from models.ops.kernel_cache import KernelCache, use_kernel_cache
-from models.ops.varlen_attention import use_cuda_attention
+from models.ops.varlen_attention import auto_cuda_attention, cuda_attention, use_cuda_attention
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_planned
 from parallel.runner import StepMetrics
@@ -132,14 +132,18 @@ def _kernel_cache(config: JobConfig) -> KernelCache | None:
         raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
 
 
-def _use_attention_kernels(config: JobConfig) -> None:
-    """On a GPU: run `train.attention_kernels` in every rank; a ConfigError when they cannot be imported."""
+def _use_attention_kernels(config: JobConfig) -> str | None:
+    """On a GPU: run `train.attention_kernels` in every rank and return the line that says which pair runs (and, for
+    "auto", why); a ConfigError when the chosen pair cannot run. None on a CPU."""
     if resolve_device(config.train.device).type != "cuda":
-        return
+        return None
+    choice = config.train.attention_kernels
     try:
-        use_cuda_attention(config.train.attention_kernels)
+        use_cuda_attention(choice)
     except RuntimeError as e:
-        raise ConfigError(f"`train.attention_kernels` = \"{config.train.attention_kernels}\": {e}") from None
+        raise ConfigError(f"`train.attention_kernels` = \"{choice}\": {e}") from None
+    why = f" (train.attention_kernels = \"auto\": {auto_cuda_attention()[1]})" if choice == "auto" else ""
+    return f"attention kernels: {cuda_attention()}{why}"
 
 
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
@@ -185,7 +189,7 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         kernel_cache = _kernel_cache(c)
         set_fused_rowwise(c.train.fused_rowwise)
-        _use_attention_kernels(c)
+        attention_kernels = _use_attention_kernels(c)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
         self.env = self._environment()
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
@@ -199,6 +203,8 @@ class _Job:
         self.main = self.trainer.is_main
         self.console = console if self.main else Console(quiet=True)
         self.first_step = FirstStepWatch(kernel_cache if self.main else None, self._print)
+        if attention_kernels and self.main:
+            self._print(attention_kernels)
         self.data = self._feed() if self.main else None
         self.router = RouterLossConfig(c.train.moe_aux_loss_coef, c.train.moe_z_loss_coef)
         self.done = self.progress()

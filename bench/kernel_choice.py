@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from models.ops.dispatch import set_fused_rowwise
-from models.ops.varlen_attention import CUDA_ATTENTION, use_cuda_attention
+from models.ops.varlen_attention import ATTENTION_CHOICES, cuda_attention, use_cuda_attention
 
 __all__ = ["add_kernel_choice_options", "use_attention_pair", "use_kernel_choice"]
 
@@ -16,16 +16,19 @@ def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-rowwise", action="store_true",
                         help="run the plain-torch references of the row-wise ops instead of their fused kernels "
                              "(train.fused_rowwise = false; models.ops.dispatch)")
-    parser.add_argument("--attention-kernels", choices=list(CUDA_ATTENTION), default="flash",
-                        help="CUDA attention kernel pair of both modes: flash (torch's FlashAttention-2) or fa4 "
-                             "(FlashAttention-4, the optional flash-attn-4 package)")
+    parser.add_argument("--attention-kernels", choices=list(ATTENTION_CHOICES), default="auto",
+                        help="CUDA attention kernel pair of both modes: flash (torch's FlashAttention-2), fa4 "
+                             "(FlashAttention-4, the optional flash-attn-4 package, Hopper or newer) or auto (fa4 "
+                             "where it can run, else flash; the default)")
 
 
 def use_kernel_choice(args: argparse.Namespace) -> None:
     """Switch this process to the chosen kernels (GPU runs, before the first forward); exits with the reason when the
-    chosen attention kernels cannot run here."""
+    chosen attention kernels cannot run here. `args.attention_kernels` becomes the pair that runs ("auto" resolved),
+    so what a benchmark prints and records names the kernels."""
     set_fused_rowwise(not args.reference_rowwise)
     use_attention_pair(args.attention_kernels)
+    args.attention_kernels = cuda_attention()
 
 
 def use_attention_pair(pair: str, option: str = "--attention-kernels") -> None:

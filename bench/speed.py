@@ -576,7 +576,7 @@ def main(argv=None) -> int:
     if args.compare_attention and (args.device != "cuda" or args.dtype != "bfloat16"):
         parser.error("--compare-attention needs --device cuda and --dtype bfloat16: elsewhere every run takes the "
                      "reference attention")
-    if args.compare_attention and args.attention_kernels != "flash":
+    if args.compare_attention and args.attention_kernels != "auto":
         parser.error("--compare-attention runs every pair; leave out --attention-kernels")
     if args.compare_rowwise and args.reference_rowwise:
         parser.error("--compare-rowwise runs both row-wise paths; leave out --reference-rowwise")

@@ -78,7 +78,7 @@ def attention(
     """Attention of q `[Q, H, K]` over k `[S, G, K]`, v `[S, G, V]` under `mask`; returns `[Q, H, V]` in q.dtype.
 
     `VarlenCausalMask` on CUDA in bf16/fp16 runs the packed kernels of `models.ops.varlen_attention` (the pair
-    `use_cuda_attention` chose, FlashAttention-2 by default, as the tree's branch views); everything else runs
+    `use_cuda_attention` chose, FlashAttention-2 or FlashAttention-4, as the tree's branch views); everything else runs
     `naive_attention` on `mask.dense()`.
     """
     if (

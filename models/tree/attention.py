@@ -10,7 +10,7 @@ Three interchangeable backends, selected by `backend`:
   gathered ancestor rows plus its own rows, causal aligned bottom-right (query i of a branch with h ancestors sees
   view rows j <= h + i); outputs land on the branch's own rows. Runs in groups of bounded view rows, regathering
   in backward (`models.tree.branch_attention`): on CUDA in bf16/fp16 flat execution's kernel pair
-  (`models.ops.varlen_attention.varlen_kernels`: FlashAttention-2 by default, or FlashAttention-4), the reference
+  (`models.ops.varlen_attention.varlen_kernels`: FlashAttention-2 or FlashAttention-4, as chosen), the reference
   kernels elsewhere.
 Projections, norms and RoPE run once per compact row before this; gathers scatter-add their gradients back.
 """

@@ -105,20 +105,31 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
 
 
 def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4):
-    """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode; fa4 without flash-attn-4 is
-    one error naming the key and the fix; another value is refused by the config loader; CPU jobs ignore the key."""
+    """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode and the job's line names it; the
+    default "auto" without flash-attn-4 is flash, saying why; fa4 without it is one error naming the key and the
+    fix; another value is refused by the config loader; CPU jobs ignore the key."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
     job = str(write_job(tmp_path))
-    app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]))
+    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]))
+    assert cuda_attention() == "flash" and line == "attention kernels: flash"
+    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, []))
     assert cuda_attention() == "flash"
+    assert line.startswith('attention kernels: flash (train.attention_kernels = "auto": flash-attn-4 is not importable')
     with pytest.raises(ConfigError, match="attention_kernels"):
         load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
     with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
         app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
     assert cuda_attention() == "flash"
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
-    app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
+    assert app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"])) is None
     assert cuda_attention() == "flash"
+
+
+def test_gpu_jobs_run_fa4_by_default_where_it_can_run(tmp_path, monkeypatch, fake_fa4):
+    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    line = app.rl_job._use_attention_kernels(load_config(JobConfig, str(write_job(tmp_path)), []))
+    assert cuda_attention() == "fa4"
+    assert line == 'attention kernels: fa4 (train.attention_kernels = "auto": flash-attn-4 can run here)'
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:

@@ -76,5 +76,16 @@ def test_the_attention_kernels_option_exits_with_the_reason(no_fa4):
     add_kernel_choice_options(parser)
     with pytest.raises(SystemExit, match="--attention-kernels fa4: flash-attn-4 is not importable"):
         use_kernel_choice(parser.parse_args(["--attention-kernels", "fa4"]))
-    use_kernel_choice(parser.parse_args([]))
-    assert cuda_attention() == "flash"
+    args = parser.parse_args([])
+    use_kernel_choice(args)
+    assert cuda_attention() == "flash" and args.attention_kernels == "flash"
+
+
+def test_the_default_attention_kernels_are_fa4_where_it_can_run(fake_fa4):
+    """--attention-kernels auto (the default) runs fa4 where `require_fa4` passes, and the arguments then name it, so
+    a benchmark's header and records say which pair ran."""
+    parser = argparse.ArgumentParser()
+    add_kernel_choice_options(parser)
+    args = parser.parse_args([])
+    use_kernel_choice(args)
+    assert cuda_attention() == "fa4" and args.attention_kernels == "fa4"

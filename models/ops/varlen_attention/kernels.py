@@ -1,7 +1,7 @@
 """Which (forward, backward) kernel pair packed causal attention runs for a tensor: for CUDA bf16/fp16 tensors the
-CUDA pair chosen by `use_cuda_attention` (torch's varlen FlashAttention-2 by default, or FlashAttention-4), the
-plain-torch reference otherwise. Flat execution and the tree's branch views both ask here, so they run the same
-kernels."""
+CUDA pair chosen by `use_cuda_attention` (torch's varlen FlashAttention-2 until a pair is chosen; "auto", the
+default of the RL job and the benchmarks, chooses FlashAttention-4 where it can run), the plain-torch reference
+otherwise. Flat execution and the tree's branch views both ask here, so they run the same kernels."""
 
 import torch
 
@@ -13,21 +13,37 @@ from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varle
 #: flash-attn-4 package).
 CUDA_ATTENTION = {"flash": (flash_varlen_forward, flash_varlen_backward),
                   "fa4": (fa4_varlen_forward, fa4_varlen_backward)}
+#: The choices of `use_cuda_attention`: a pair, or "auto" (`auto_cuda_attention`).
+ATTENTION_CHOICES = ("auto", *CUDA_ATTENTION)
 _cuda_attention = "flash"
 
 
+def auto_cuda_attention() -> tuple[str, str]:
+    """The pair "auto" means in this process, and why: fa4 where `require_fa4` passes (flash-attn-4 importable, a
+    Hopper or newer GPU; on an H200 its kernels are 2.2x faster than flash on a SWE step's attention, with bf16 tree
+    log-probs still bitwise equal to flat: bench/RESULTS.md, session 14), else flash, with what keeps fa4 out."""
+    try:
+        require_fa4()
+    except RuntimeError as e:
+        return "flash", str(e)
+    return "fa4", "flash-attn-4 can run here"
+
+
 def use_cuda_attention(name: str) -> str:
-    """Run CUDA bf16/fp16 attention with pair `name` from now on; returns the pair used until now.
+    """Run CUDA bf16/fp16 attention with pair `name` (or the pair "auto" means, `auto_cuda_attention`) from now on;
+    returns the pair used until now.
 
     Raises:
-        ValueError: `name` is not a pair of `CUDA_ATTENTION`.
+        ValueError: `name` is not among `ATTENTION_CHOICES`.
         RuntimeError: fa4, and flash-attn-4 cannot be imported or this process's GPU is older than Hopper (the
             message says why).
     """
     global _cuda_attention
-    if name not in CUDA_ATTENTION:
-        raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
-    if name == "fa4":
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"CUDA attention kernels are one of {', '.join(ATTENTION_CHOICES)}, got {name!r}")
+    if name == "auto":
+        name = auto_cuda_attention()[0]
+    elif name == "fa4":
         require_fa4()
     previous, _cuda_attention = _cuda_attention, name
     return previous

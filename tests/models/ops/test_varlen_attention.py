@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from models.ops.varlen_attention import (
-    cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
+    auto_cuda_attention, cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
     pads_values, use_cuda_attention, varlen_attention, varlen_kernels,
 )
+from models.ops.varlen_attention import kernels
 from models.ops.varlen_attention.fa4 import fa4_interface, native_values
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.
@@ -64,12 +65,23 @@ def test_cpu_tensors_run_the_reference_pair():
 def test_cuda_pair_choice_names_what_is_wrong(no_fa4):
     """An unknown pair is refused with the choices; fa4 without flash-attn-4 says why and how to fix it; neither
     changes the pair."""
-    with pytest.raises(ValueError, match="one of flash, fa4, got 'fa3'"):
+    with pytest.raises(ValueError, match="one of auto, flash, fa4, got 'fa3'"):
         use_cuda_attention("fa3")
     with pytest.raises(RuntimeError, match="flash-attn-4 is not importable .*install the flash-attn-4 package"):
         use_cuda_attention("fa4")
     assert cuda_attention() == "flash"
     assert use_cuda_attention("flash") == "flash"
+
+
+def test_auto_takes_fa4_only_where_it_can_run_and_says_why_not(no_fa4, monkeypatch):
+    """"auto" is flash, with require_fa4's reason, where flash-attn-4 cannot run, and fa4 where it can."""
+    pair, why = auto_cuda_attention()
+    assert pair == "flash" and "flash-attn-4 is not importable" in why
+    assert use_cuda_attention("auto") == "flash" and cuda_attention() == "flash"
+    monkeypatch.setattr(kernels, "require_fa4", lambda: None)
+    monkeypatch.setattr(kernels, "_cuda_attention", "flash")
+    assert auto_cuda_attention()[0] == "fa4"
+    assert use_cuda_attention("auto") == "flash" and cuda_attention() == "fa4"
 
 
 def test_a_missing_cute_dsl_names_its_wheel(monkeypatch):
