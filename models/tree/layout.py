@@ -172,6 +172,12 @@ class CoreRound:
         return np.concatenate([[0], np.cumsum(self.call_rows)]).tolist()
 
     @property
+    def chunk_bounds(self) -> list[int]:
+        """[m+1] where each call's chunks start among the round's (fla's chunk order: call after call), and their
+        end."""
+        return np.concatenate([[0], np.cumsum([c.chunk_indices.shape[0] for c in self.calls])]).tolist()
+
+    @property
     def final_bounds(self) -> list[int]:
         """[m+1] where each call's final states start among the round's, and their end."""
         return np.concatenate([[0], np.cumsum([c.cu_seqlens_cpu.numel() - 1 for c in self.calls])]).tolist()

@@ -10,9 +10,11 @@ kernels behind `fla.ops.kda.chunk_kda`, only the forward state recurrence (`chun
 backward (`chunk_gated_delta_rule_bwd_dhu`) carry anything from chunk to chunk. Everything else (the gate's cumsum,
 the intra-chunk WY terms, the outputs, dq/dk/dv/dg) works chunk by chunk, so it runs once over the round's rows with
 every piece as its own packed sequence. The recurrences run per call, in order forward and in reverse backward, each
-piece's final-state gradient plus the initial-state gradient of its continuation as `dht`. Each kernel then sees
-exactly the chunks and states that `chunk_kda` call by call gives it, so the results are the same, bit for bit
-(measured on the H200: `tests/models/ops/test_kda_round.py`).
+piece's final-state gradient plus the initial-state gradient of its continuation as `dht`, writing their chunk states
+and values into the round's buffers in place (`models.ops.kda.recurrence`: no per-call output is concatenated). Each
+kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the results are the same,
+bit for bit (measured on the H200 with concatenated per-call outputs: `tests/models/ops/test_kda_round.py`; the
+in-place writes are not run on a GPU yet).
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
 dispatch; here it is about 7 and 10 per round plus 1 forward and 2 backward per call. Tree rounds on SWE-like steps
@@ -31,38 +33,33 @@ import torch
 
 from models.ops.delta_rule.partition import check_delta_rule_shapes
 from models.ops.kda.chunk import check_fla_kda_limits
+from models.ops.kda.recurrence import bwd_dhu_into, fwd_h_into
 
 if TYPE_CHECKING:
     from models.tree.layout import CoreRound
 
 
-def _along_t(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-call tensors `[1, T_j or NT_j, ...]` as the round's (calls in order)."""
-    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
-
-
 def _recurrence(kg, w, u, g_cum, rnd: CoreRound, initial_state=None, inits=None):
-    """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]`, and per call its
-    initial states `[N_j, HV, K, V]` (None = zeros) and final states. Forward: from `initial_state` (the round's),
-    each later call from the previous call's final states. Backward's recomputation: from the saved per-call `inits`,
-    no final states."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-    hs, v_news, starts, finals = [], [], [], []
-    bounds = rnd.row_bounds
+    """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` (each call writing
+    its chunks and rows in place, `models.ops.kda.recurrence`), and per call its initial states `[N_j, HV, K, V]`
+    (None = zeros) and final states. Forward: from `initial_state` (the round's), each later call from the previous
+    call's final states. Backward's recomputation: from the saved per-call `inits`, no final states."""
+    starts, finals = [], []
+    rows, chunks = rnd.row_bounds, rnd.chunk_bounds
+    h = kg.new_empty(1, chunks[-1], u.shape[2], kg.shape[-1], u.shape[-1])
+    v_new = torch.empty_like(u)
     for j, call in enumerate(rnd.calls):
-        piece = slice(bounds[j], bounds[j + 1])
+        piece, part = slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
         h0 = inits[j] if inits is not None else call.initial_states(initial_state, finals[-1] if finals else None)
-        h, v_new, final = chunk_gated_delta_rule_fwd_h(
-            k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece], initial_state=h0,
-            output_final_state=inits is None, cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu,
-            chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets, chunk_size=rnd.chunk_size,
+        final = fwd_h_into(
+            h[:, part], v_new[:, piece], k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece],
+            initial_state=h0, output_final_state=inits is None, cu_seqlens=call.cu_seqlens,
+            cu_seqlens_cpu=call.cu_seqlens_cpu, chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+            chunk_size=rnd.chunk_size,
         )
-        hs.append(h)
-        v_news.append(v_new)
         starts.append(h0)
         finals.append(final)
-    return _along_t(hs), _along_t(v_news), starts, finals
+    return h, v_new, starts, finals
 
 
 def kda_round_fwd(q, k, v, g, beta, scale: float, initial_state, rnd: CoreRound):
@@ -87,7 +84,6 @@ def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_fin
     """Backward of a round from `kda_round_fwd`'s saved tensors, do `[1, T, HV, V]` and d_finals `[P, HV, K, V]`:
     (dq, dk, dv, dg, dbeta, d initial_state or None). Call j's `dht` is its pieces' final-state gradient plus, where a
     piece continues in call j+1, that continuation's initial-state gradient."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
@@ -97,22 +93,23 @@ def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_fin
     w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
     h, v_new, _, _ = _recurrence(kg, w, u, g_cum, rnd, inits=inits)
     dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
-    rows, states = rnd.row_bounds, rnd.final_bounds
-    dhs, dvs = [None] * len(rnd.calls), [None] * len(rnd.calls)
+    rows, chunks, states = rnd.row_bounds, rnd.chunk_bounds, rnd.final_bounds
+    dh, dv2 = torch.empty_like(h, dtype=qg.dtype), torch.empty_like(dv)
     dh0 = None
     for j in reversed(range(len(rnd.calls))):
-        call, piece = rnd.calls[j], slice(rows[j], rows[j + 1])
+        call, piece, part = rnd.calls[j], slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
         dht = d_finals[states[j] : states[j + 1]]
         if dh0 is not None:
             later = rnd.calls[j + 1].previous
             dht = dht + dh0 if later is None else dht.index_add(0, later, dh0)
-        dhs[j], dh0, dvs[j] = chunk_gated_delta_rule_bwd_dhu(
-            q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece], dv=dv[:, piece], gk=g_cum[:, piece],
-            h0=inits[j], dht=dht.contiguous(), scale=scale, cu_seqlens=call.cu_seqlens, chunk_size=B,
-            chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+        dh0 = bwd_dhu_into(
+            dh[:, part], dv2[:, piece], q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece],
+            dv=dv[:, piece], gk=g_cum[:, piece], h0=inits[j], dht=dht.contiguous(), scale=scale,
+            cu_seqlens=call.cu_seqlens, chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+            chunk_size=B,
         )
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=_along_t(dhs), dv=_along_t(dvs),
+        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv2,
         scale=scale, chunk_size=B, chunk_offsets=rnd.chunk_offsets, **packed,
     )
     dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,

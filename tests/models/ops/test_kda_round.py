@@ -56,6 +56,7 @@ def test_fla_chunk_arrays_are_fla_bookkeeping():
 def test_round_layout_links_each_piece_to_its_predecessor():
     rnd = CoreRound.build(round_calls(ROUNDS["dropping"]), B)
     assert rnd.row_bounds == [0, 232, 488, 565] and rnd.final_bounds == [0, 3, 5, 6]
+    assert rnd.chunk_bounds == [0, 4, 8, 10] and rnd.chunk_indices.shape[0] == 10  # the round's chunks, call by call
     assert rnd.calls[0].previous is None and rnd.calls[1].previous.tolist() == [0, 1]
     assert rnd.calls[2].previous.tolist() == [0]
     assert rnd.cu_seqlens.tolist() == [0, 128, 192, 232, 360, 488, 565]
@@ -101,9 +102,15 @@ def test_fla_round_refuses_what_fla_cannot_run(planned, runs, head_dim, message)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
+@pytest.mark.parametrize("own_kernels", [True, False], ids=["in place", "dispatched"])
 @pytest.mark.parametrize("zero_start", [False, True])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
-def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start):
+def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels, monkeypatch):
+    """Also with the recurrences through fla's dispatched wrappers, as where another fla backend is active
+    (`models.ops.kda.recurrence`)."""
+    from models.ops.kda import recurrence
+
+    monkeypatch.setattr(recurrence, "_default_kernels_run", lambda: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
     rnd = core_rounds(round_calls(pieces), B, "cuda")[0]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.ops.varlen_attention import (
-    auto_cuda_attention, cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward, naive_varlen_forward,
-    pads_values, use_cuda_attention, varlen_attention, varlen_kernels,
+    auto_cuda_attention, cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward,
+    naive_varlen_forward, pads_values, use_cuda_attention, varlen_attention, varlen_kernels,
 )
 from models.ops.varlen_attention import kernels
 from models.ops.varlen_attention.fa4 import fa4_interface, native_values
