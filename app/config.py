@@ -224,8 +224,9 @@ class TrainConfig:
     `use_cuda_attention`): "flash" = torch's FlashAttention-2; "fa4" = FlashAttention-4 (needs the flash-attn-4
     package and a Hopper or newer GPU; on an H200 2.2x faster than flash on a SWE step's attention, forward and
     backward, and that step took 16-17% less time in both modes, with bf16 tree log-probs bitwise equal to flat:
-    bench/RESULTS.md); "auto" = fa4 where it can run, else flash (the job prints which, and why). CPU jobs ignore
-    it."""
+    bench/RESULTS.md); "auto" = fa4 where it can run (flash-attn-4 importable, a Hopper GPU) and the model's attention
+    head dims are among those it was tested with (`models.ops.varlen_attention.FA4_TESTED_SHAPES`), else flash; the
+    job prints which, and why. CPU jobs ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):

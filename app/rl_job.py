@@ -53,10 +53,11 @@ from app.tree_picture import render_tree
 from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors, save_hf
 from models.carry_microbatch import CarryStep
+from models.config import ModelConfig
 from models.microbatch import Microbatch
 from models.ops.dispatch import set_fused_rowwise
 from models.ops.kernel_cache import KernelCache, use_kernel_cache
-from models.ops.varlen_attention import auto_cuda_attention, cuda_attention, use_cuda_attention
+from models.ops.varlen_attention import auto_cuda_attention, use_cuda_attention
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_planned
 from parallel.runner import StepMetrics
@@ -132,18 +133,19 @@ def _kernel_cache(config: JobConfig) -> KernelCache | None:
         raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
 
 
-def _use_attention_kernels(config: JobConfig) -> str | None:
-    """On a GPU: run `train.attention_kernels` in every rank and return the line that says which pair runs (and, for
-    "auto", why); a ConfigError when the chosen pair cannot run. None on a CPU."""
+def _use_attention_kernels(config: JobConfig, model: ModelConfig) -> str | None:
+    """On a GPU: run `train.attention_kernels` in every rank (for "auto", the pair it means for `model`'s attention)
+    and return the line that says which pair runs (and, for "auto", why); a ConfigError when the chosen pair cannot
+    run. None on a CPU."""
     if resolve_device(config.train.device).type != "cuda":
         return None
     choice = config.train.attention_kernels
+    pair, why = auto_cuda_attention(model.attention_shapes) if choice == "auto" else (choice, "")
     try:
-        use_cuda_attention(choice)
+        use_cuda_attention(pair)
     except RuntimeError as e:
         raise ConfigError(f"`train.attention_kernels` = \"{choice}\": {e}") from None
-    why = f" (train.attention_kernels = \"auto\": {auto_cuda_attention()[1]})" if choice == "auto" else ""
-    return f"attention kernels: {cuda_attention()}{why}"
+    return f"attention kernels: {pair}" + (f' (train.attention_kernels = "auto": {why})' if why else "")
 
 
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
@@ -189,8 +191,8 @@ class _Job:
             torch.set_num_threads(c.train.threads)
         kernel_cache = _kernel_cache(c)
         set_fused_rowwise(c.train.fused_rowwise)
-        attention_kernels = _use_attention_kernels(c)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
+        attention_kernels = _use_attention_kernels(c, model.config)
         self.env = self._environment()
         if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
             raise ConfigError(

@@ -329,6 +329,8 @@ def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, target
 def run(args) -> dict:
     device = torch.device(args.device)
     model = build_model(args)
+    if device.type == "cuda":
+        use_kernel_choice(args, model.config.attention_shapes)
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     chunk = model.config.chunk_size
     if args.trajectories:
@@ -382,6 +384,9 @@ def run(args) -> dict:
         "mode": args.mode,
         "chunk_size": chunk,
         "recompute": args.recompute,
+        # the CUDA pairs run bf16/fp16 tensors only (models.ops.varlen_attention.varlen_kernels)
+        "attention_kernels": (args.attention_kernels if device.type == "cuda" and args.dtype in ("bfloat16", "float16")
+                              else "reference"),
         "trajectories": source,
         "num_trajectories": batch.num_trajectories,
         "semantic_tokens": batch.num_semantic,
@@ -411,7 +416,8 @@ def run(args) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['model']} on {r['device']} in {r['dtype']}, chunk {r['chunk_size']}, recompute {r['recompute']}")
+    print(f"{r['model']} on {r['device']} in {r['dtype']}, chunk {r['chunk_size']}, recompute {r['recompute']}, "
+          f"attention kernels {r['attention_kernels']}")
     print(f"{r['num_trajectories']} trajectories, S={r['semantic_tokens']}, C={r['compact_tokens']}, "
           f"{r['num_rounds']} rounds, replay {r['total_replay']}, handoff depth <= {r['max_handoff_depth']}")
     primary = "carry" if r["mode"] == "carry" else "arbor"
@@ -496,7 +502,6 @@ def main(argv=None) -> int:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
     if args.device == "cuda":
         open_kernel_cache(args)
-        use_kernel_choice(args)
     try:
         result = run(args)
     except ValueError as e:

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from models.ops.dispatch import set_fused_rowwise
-from models.ops.varlen_attention import ATTENTION_CHOICES, cuda_attention, use_cuda_attention
+from models.ops.varlen_attention import ATTENTION_CHOICES, auto_cuda_attention, use_cuda_attention
 
 __all__ = ["add_kernel_choice_options", "use_attention_pair", "use_kernel_choice"]
 
@@ -22,13 +23,16 @@ def add_kernel_choice_options(parser: argparse.ArgumentParser) -> None:
                              "where it can run, else flash; the default)")
 
 
-def use_kernel_choice(args: argparse.Namespace) -> None:
-    """Switch this process to the chosen kernels (GPU runs, before the first forward); exits with the reason when the
-    chosen attention kernels cannot run here. `args.attention_kernels` becomes the pair that runs ("auto" resolved),
-    so what a benchmark prints and records names the kernels."""
+def use_kernel_choice(args: argparse.Namespace, shapes=()) -> None:
+    """Switch this process to the chosen kernels (GPU runs, before the first forward) for a model whose attention
+    layers have `shapes` (`ModelConfig.attention_shapes`: what "auto" decides by); exits with the reason when the
+    chosen attention kernels cannot run here. `args.attention_kernels` becomes the pair that runs ("auto" resolved,
+    its reason printed on stderr), so what a benchmark prints and records names the kernels."""
     set_fused_rowwise(not args.reference_rowwise)
+    if args.attention_kernels == "auto":
+        args.attention_kernels, why = auto_cuda_attention(shapes)
+        print(f"attention kernels {args.attention_kernels} (--attention-kernels auto: {why})", file=sys.stderr)
     use_attention_pair(args.attention_kernels)
-    args.attention_kernels = cuda_attention()
 
 
 def use_attention_pair(pair: str, option: str = "--attention-kernels") -> None:

@@ -587,7 +587,7 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device")
     if device.type == "cuda":
         open_kernel_cache(args)
-        use_kernel_choice(args)
+        use_kernel_choice(args, preset(args.model).attention_shapes)
         for pair in CUDA_ATTENTION if args.compare_attention else ():
             use_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
     torch.manual_seed(args.seed)
@@ -601,6 +601,7 @@ def main(argv=None) -> int:
         workloads.append(("low-share", low_sharing_step(args.seed, args.low_paths, args.low_length, V)))
     rows, costs = [], []
     variants = run_variants(args)
+    cuda_attention_runs = device.type == "cuda" and args.dtype == "bfloat16"  # else every run takes the reference
     for index, (text, fused, pair, label) in enumerate(variants):
         print(f"run {label}", file=sys.stderr, flush=True)
         model.set_activation_checkpointing(parse_recompute_option(text))
@@ -615,13 +616,13 @@ def main(argv=None) -> int:
                 row["auto"] = run_auto(state, cost, model, args, device)
                 row["auto"]["speedup"] = row["flat"]["seconds"] / row["auto"]["seconds"]
         for row, _ in measured:
-            rows.append({**row, "recompute": text, "fused_rowwise": fused, "attention_kernels": pair, "run": label,
+            rows.append({**row, "recompute": text, "fused_rowwise": fused, "run": label,
+                         "attention_kernels": pair if cuda_attention_runs else "reference",
                          "run_index": index})
         costs.append(cost)
     header = {
         "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
-        "attention_kernels": (",".join(dict.fromkeys(v[2] for v in variants))
-                              if device.type == "cuda" and args.dtype == "bfloat16" else "reference"),
+        "attention_kernels": ",".join(dict.fromkeys(v[2] for v in variants)) if cuda_attention_runs else "reference",
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -125,9 +125,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     open_kernel_cache(args)
-    use_kernel_choice(args)
-    dev = torch.device("cuda")
     config = dataclasses.replace(preset(args.model), dtype="bfloat16")
+    use_kernel_choice(args, config.attention_shapes)
+    dev = torch.device("cuda")
     with torch.device(dev):
         model = HybridForCausalLM(config)
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     tree_trajs = groups[0]
     batch = pack(tree_trajs)
     print(f"flat microbatch: {sum(len(t) for t in flat_trajs):,} tokens; tree microbatch: {batch.num_compact:,} "
-          f"compact rows, {batch.num_semantic:,} semantic")
+          f"compact rows, {batch.num_semantic:,} semantic; attention kernels {args.attention_kernels}")
     trie = pack(trajs)
     packed = [pack(g) for g in groups]
     plan = plan_carry(trajs, args.capacity, 1) if "carry" in chosen else None
@@ -191,12 +191,12 @@ def main(argv=None) -> int:
         print(without_annotation_spans(prof.key_averages()).table(
             sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.json:
-            dump[name] = {"wall_s": wall, **dataclasses.asdict(kw), "ops": [
-                {"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total,
-                 "calls": e.count}
-                for e in without_annotation_spans(prof.key_averages(group_by_input_shape=True))
-                if e.self_device_time_total > 0
-            ]}
+            ops = [{"name": e.key, "shapes": str(e.input_shapes), "self_cuda_us": e.self_device_time_total,
+                    "calls": e.count}
+                   for e in without_annotation_spans(prof.key_averages(group_by_input_shape=True))
+                   if e.self_device_time_total > 0]
+            dump[name] = {"wall_s": wall, "attention_kernels": args.attention_kernels, **dataclasses.asdict(kw),
+                          "ops": ops}
         model.zero_grad(set_to_none=True)
     for name in measured:
         if name != "flat" and "flat" in measured:

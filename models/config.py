@@ -55,6 +55,12 @@ class GatedAttentionConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def attention_shape(self) -> tuple[int, int, bool]:
+        """(query/key head dim, value head dim, whether key/value heads are shared by several query heads): what
+        the packed attention kernels see (`models.ops.varlen_attention.auto_cuda_attention`)."""
+        return self.head_dim, self.head_dim, self.num_kv_heads < self.num_heads
+
 
 @dataclass(kw_only=True)
 class MLAConfig:
@@ -92,6 +98,12 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attention_shape(self) -> tuple[int, int, bool]:
+        """(query/key head dim, value head dim, False: every head has its own decompressed keys and values), as
+        `GatedAttentionConfig.attention_shape`."""
+        return self.qk_head_dim, self.v_head_dim, False
 
 
 @dataclass(kw_only=True)
@@ -292,3 +304,9 @@ class ModelConfig:
     def conv_size(self) -> int:
         """Short-conv width W of the linear-attention layers (1: no conv context to carry)."""
         return self.linear_attention.conv_size if self.linear_attention is not None else 1
+
+    @property
+    def attention_shapes(self) -> frozenset[tuple[int, int, bool]]:
+        """The `attention_shape` of the full-attention layers (empty: none uses the packed attention kernels)."""
+        uses = self.full_attention is not None and "full_attention" in self.layer_types
+        return frozenset({self.full_attention.attention_shape}) if uses else frozenset()

@@ -30,6 +30,7 @@ from models.hf_io import load_hf
 from models.ops import kernel_cache
 from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
 from models.ops.varlen_attention import cuda_attention
+from models.presets import preset
 from rollout.engine import Engine, EngineError
 from tests.app.jobs import write_job
 
@@ -109,27 +110,34 @@ def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4
     default "auto" without flash-attn-4 is flash, saying why; fa4 without it is one error naming the key and the
     fix; another value is refused by the config loader; CPU jobs ignore the key."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
-    job = str(write_job(tmp_path))
-    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]))
+    job, model = str(write_job(tmp_path)), preset("tiny-qwen3-next")
+    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]), model)
     assert cuda_attention() == "flash" and line == "attention kernels: flash"
-    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, []))
+    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, []), model)
     assert cuda_attention() == "flash"
     assert line.startswith('attention kernels: flash (train.attention_kernels = "auto": flash-attn-4 is not importable')
     with pytest.raises(ConfigError, match="attention_kernels"):
         load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
     with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
-        app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]))
+        app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]), model)
     assert cuda_attention() == "flash"
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
-    assert app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"])) is None
+    assert app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]),
+                                             model) is None
     assert cuda_attention() == "flash"
 
 
 def test_gpu_jobs_run_fa4_by_default_where_it_can_run(tmp_path, monkeypatch, fake_fa4):
+    """"auto" takes fa4 for a model whose attention head dims fa4 was tested with, and flash, naming the dims, for
+    one whose were not."""
     monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
-    line = app.rl_job._use_attention_kernels(load_config(JobConfig, str(write_job(tmp_path)), []))
+    config = load_config(JobConfig, str(write_job(tmp_path)), [])
+    line = app.rl_job._use_attention_kernels(config, preset("tiny-kimi-linear"))
     assert cuda_attention() == "fa4"
-    assert line == 'attention kernels: fa4 (train.attention_kernels = "auto": flash-attn-4 can run here)'
+    assert line == ('attention kernels: fa4 (train.attention_kernels = "auto": flash-attn-4 can run here, on head '
+                    'dims it was tested with)')
+    line = app.rl_job._use_attention_kernels(config, preset("qwen3-next-80b-a3b"))
+    assert cuda_attention() == "flash" and "head dims 256/256 GQA" in line
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:

@@ -10,9 +10,11 @@ ling-3-tiny the round's h alone is about 0.5 GB per KDA layer, copied in the for
 backward (h and dh). Here each call's kernel writes its rows and chunks in place.
 
 The kernels and launch grids are fla's own (the same code the wrappers run, so the same bits). fla's backend dispatch
-(`fla.backends`) can route these two functions to another implementation (tilelang where installed, intra-card
-context parallelism when enabled); flat execution's `chunk_kda` then runs that one, so where any other backend is
-active the dispatched wrappers run here too and their outputs are copied into the slices.
+(`fla.backends`) can route these two functions to another implementation (in fla 0.6.0 the intra-card context
+parallel forward when enabled, under inference mode, and Ascend's on NPUs; tilelang's 'common' backend implements
+neither); flat
+execution's `chunk_kda` then runs that one, so where a backend would take the call the dispatched wrapper runs here
+too and its outputs are copied into the slices.
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ import torch
 __all__ = ["fwd_h_into", "bwd_dhu_into"]
 
 
-def _default_kernels_run() -> bool:
-    """Whether fla's dispatch of the 'common' delta-rule functions runs their own Triton kernels (no other backend
-    available and enabled, or dispatch turned off with FLA_DISABLE_BACKEND_DISPATCH=1)."""
+def _default_kernels_run(function_name: str, kwargs: dict) -> bool:
+    """Whether fla's dispatch (`fla.backends.BackendRegistry.dispatch`) of the 'common' delta-rule function
+    `function_name` would run its default (Triton) implementation for these arguments: no backend that is available
+    and enabled implements it and accepts the call, or dispatch is off (FLA_DISABLE_BACKEND_DISPATCH=1)."""
     from fla import backends
 
-    return backends._DISPATCH_DISABLED or backends._load_operation_registry("common").get_active() is None
+    if backends._DISPATCH_DISABLED:
+        return True
+    for backend in backends._load_operation_registry("common")._get_sorted_backends():
+        if (backend.is_available() and backend.is_enabled() and backend.get_implementation(function_name) is not None
+                and backend.verify(function_name, **kwargs)[0]):
+            return False
+    return True
 
 
 def fwd_h_into(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
@@ -42,12 +51,11 @@ def fwd_h_into(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.T
         chunk_gated_delta_rule_fwd_h, chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
     )
 
-    if not _default_kernels_run():
-        h_j, v_j, final = chunk_gated_delta_rule_fwd_h(
-            k=k, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state,
-            chunk_size=chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        )
+    kwargs = dict(k=k, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state,
+                  chunk_size=chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                  chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
+    if not _default_kernels_run("chunk_gated_delta_rule_fwd_h", kwargs):
+        h_j, v_j, final = chunk_gated_delta_rule_fwd_h(**kwargs)
         h.copy_(h_j)
         v_new.copy_(v_j)
         return final
@@ -76,11 +84,10 @@ def bwd_dhu_into(dh: torch.Tensor, dv2: torch.Tensor, q: torch.Tensor, k: torch.
         chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
     )
 
-    if not _default_kernels_run():
-        dh_j, dh0, dv2_j = chunk_gated_delta_rule_bwd_dhu(
-            q=q, k=k, w=w, do=do, dv=dv, gk=gk, h0=h0, dht=dht, scale=scale, cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        )
+    kwargs = dict(q=q, k=k, w=w, do=do, dv=dv, gk=gk, h0=h0, dht=dht, scale=scale, cu_seqlens=cu_seqlens,
+                  chunk_size=chunk_size, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
+    if not _default_kernels_run("chunk_gated_delta_rule_bwd_dhu", kwargs):
+        dh_j, dh0, dv2_j = chunk_gated_delta_rule_bwd_dhu(**kwargs)
         dh.copy_(dh_j)
         dv2.copy_(dv2_j)
         return dh0

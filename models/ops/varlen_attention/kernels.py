@@ -15,23 +15,39 @@ CUDA_ATTENTION = {"flash": (flash_varlen_forward, flash_varlen_backward),
                   "fa4": (fa4_varlen_forward, fa4_varlen_backward)}
 #: The choices of `use_cuda_attention`: a pair, or "auto" (`auto_cuda_attention`).
 ATTENTION_CHOICES = ("auto", *CUDA_ATTENTION)
+#: (query/key head dim, value head dim, GQA) of the attention the fa4 pair passed its CUDA tests with on an H200
+#: (`tests/models/ops/test_varlen_attention.py`, against the float64 reference; MLA's 192/128 and 96/64 also in
+#: whole bf16 steps, bitwise tree against flat: bench/RESULTS.md, sessions 14-15). "auto" takes fa4 for these only.
+FA4_TESTED_SHAPES = frozenset({(64, 64, False), (64, 64, True), (192, 128, False), (192, 128, True), (96, 64, False),
+                               (64, 32, False)})
 _cuda_attention = "flash"
 
 
-def auto_cuda_attention() -> tuple[str, str]:
-    """The pair "auto" means in this process, and why: fa4 where `require_fa4` passes (flash-attn-4 importable, a
-    Hopper or newer GPU; on an H200 its kernels are 2.2x faster than flash on a SWE step's attention, with bf16 tree
-    log-probs still bitwise equal to flat: bench/RESULTS.md, session 14), else flash, with what keeps fa4 out."""
+def auto_cuda_attention(shapes=()) -> tuple[str, str]:
+    """The pair "auto" means in this process for a model whose full-attention layers have `shapes` (`(K, V, GQA)`
+    each, e.g. `{config.full_attention.attention_shape}`; none: no layer runs the kernels), and why: fa4 where
+    `require_fa4` passes on a Hopper GPU (compute capability 9.x, where it was tested) and every shape is among
+    `FA4_TESTED_SHAPES` (on an H200 its kernels ran a SWE step's attention 2.2x faster than flash, with bf16 tree
+    log-probs still bitwise equal to flat: bench/RESULTS.md, session 14); else flash, with what keeps fa4 out."""
     try:
         require_fa4()
     except RuntimeError as e:
         return "flash", str(e)
-    return "fa4", "flash-attn-4 can run here"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+        major, minor = torch.cuda.get_device_capability()
+        return "flash", (f"FlashAttention-4 was tested on Hopper (compute capability 9.x) only; this GPU has "
+                         f"{major}.{minor}: choose fa4 to run it anyway")
+    untested = sorted(set(shapes) - FA4_TESTED_SHAPES)
+    if untested:
+        dims = ", ".join(f"{k}/{v}{' GQA' if gqa else ''}" for k, v, gqa in untested)
+        return "flash", (f"FlashAttention-4 was not tested with this model's attention head dims {dims}: choose "
+                         "fa4 to run it anyway")
+    return "fa4", "flash-attn-4 can run here, on head dims it was tested with"
 
 
-def use_cuda_attention(name: str) -> str:
-    """Run CUDA bf16/fp16 attention with pair `name` (or the pair "auto" means, `auto_cuda_attention`) from now on;
-    returns the pair used until now.
+def use_cuda_attention(name: str, shapes=()) -> str:
+    """Run CUDA bf16/fp16 attention with pair `name` (or the pair "auto" means for attention of `shapes`,
+    `auto_cuda_attention`) from now on; returns the pair used until now.
 
     Raises:
         ValueError: `name` is not among `ATTENTION_CHOICES`.
@@ -42,7 +58,7 @@ def use_cuda_attention(name: str) -> str:
     if name not in ATTENTION_CHOICES:
         raise ValueError(f"CUDA attention kernels are one of {', '.join(ATTENTION_CHOICES)}, got {name!r}")
     if name == "auto":
-        name = auto_cuda_attention()[0]
+        name = auto_cuda_attention(shapes)[0]
     elif name == "fa4":
         require_fa4()
     previous, _cuda_attention = _cuda_attention, name

@@ -83,6 +83,44 @@ def test_round_layout_refuses_a_piece_that_does_not_continue_its_sequence():
         CoreRound.build(calls, B)
 
 
+class _Backend:
+    """A stand-in fla backend (`fla.backends.BaseBackend`'s interface) for the dispatch check."""
+
+    def __init__(self, implements: bool, accepts: bool, enabled: bool = True):
+        self.implements, self.accepts, self.enabled, self.priority = implements, accepts, enabled, 0
+
+    def is_available(self):
+        return True
+
+    def is_enabled(self):
+        return self.enabled
+
+    def get_implementation(self, name):
+        return (lambda **kwargs: None) if self.implements else None
+
+    def verify(self, name, **kwargs):
+        return self.accepts, None
+
+
+@pytest.mark.parametrize("backend, default_runs", [
+    (None, True),
+    (_Backend(implements=False, accepts=True), True),  # e.g. tilelang's 'common' backend: other functions only
+    (_Backend(implements=True, accepts=False), True),  # e.g. intra-card CP outside inference mode
+    (_Backend(implements=True, accepts=True, enabled=False), True),
+    (_Backend(implements=True, accepts=True), False),
+])
+def test_in_place_recurrences_run_where_fla_dispatch_would_run_its_own_kernels(backend, default_runs, monkeypatch):
+    """`models.ops.kda.recurrence` launches fla's kernels itself only where fla's dispatch would run them too (so
+    flat's chunk_kda and the tree's rounds run the same implementation), judged as dispatch judges a backend."""
+    from fla import backends
+
+    from models.ops.kda import recurrence
+
+    registry = backends._load_operation_registry("common")
+    monkeypatch.setattr(registry, "_backends", {} if backend is None else {"fake": backend})
+    assert recurrence._default_kernels_run("chunk_gated_delta_rule_fwd_h", {"k": None}) is default_runs
+
+
 @pytest.mark.parametrize("planned, runs, head_dim, message", [
     (B, 32, 128, "planned for chunk size 64 and the mixer runs 32"),
     (16, 16, 128, "`chunk_size` must be one of"),
@@ -110,7 +148,7 @@ def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels,
     (`models.ops.kda.recurrence`)."""
     from models.ops.kda import recurrence
 
-    monkeypatch.setattr(recurrence, "_default_kernels_run", lambda: own_kernels)
+    monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
     rnd = core_rounds(round_calls(pieces), B, "cuda")[0]

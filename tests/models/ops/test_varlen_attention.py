@@ -81,7 +81,23 @@ def test_auto_takes_fa4_only_where_it_can_run_and_says_why_not(no_fa4, monkeypat
     monkeypatch.setattr(kernels, "require_fa4", lambda: None)
     monkeypatch.setattr(kernels, "_cuda_attention", "flash")
     assert auto_cuda_attention()[0] == "fa4"
-    assert use_cuda_attention("auto") == "flash" and cuda_attention() == "fa4"
+    assert use_cuda_attention("auto", {(192, 128, False)}) == "flash" and cuda_attention() == "fa4"
+
+
+def test_auto_keeps_flash_for_head_dims_and_gpus_fa4_was_not_tested_with(fake_fa4, monkeypatch):
+    """Of the presets, Qwen3-Next-80B's 256-dim GQA heads were never run with fa4 (flash, naming them); the tiny
+    presets' and ling-3-tiny's were. A GPU other than Hopper keeps flash."""
+    from models.presets import preset
+
+    for name in ("tiny-qwen3-next", "tiny-kimi-linear", "ling-3-tiny", "kimi-linear-48b-a3b"):
+        assert auto_cuda_attention(preset(name).attention_shapes)[0] == "fa4", name
+    pair, why = auto_cuda_attention(preset("qwen3-next-80b-a3b").attention_shapes)
+    assert pair == "flash" and "head dims 256/256 GQA" in why and "choose fa4" in why
+    assert use_cuda_attention("auto", {(256, 256, True)}) == "flash" and cuda_attention() == "flash"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    pair, why = auto_cuda_attention({(64, 64, False)})
+    assert pair == "flash" and "this GPU has 12.0" in why
 
 
 def test_a_missing_cute_dsl_names_its_wheel(monkeypatch):
