@@ -13,7 +13,7 @@ from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varle
 #: flash-attn-4 package).
 CUDA_ATTENTION = {"flash": (flash_varlen_forward, flash_varlen_backward),
                   "fa4": (fa4_varlen_forward, fa4_varlen_backward)}
-#: The choices of `use_cuda_attention`: a pair, or "auto" (`auto_cuda_attention`).
+#: The choices of the RL job and the benchmarks: a pair, or "auto" (`auto_cuda_attention`).
 ATTENTION_CHOICES = ("auto", *CUDA_ATTENTION)
 #: (query/key head dim, value head dim, GQA) of the attention the fa4 pair passed its CUDA tests with on an H200
 #: (`tests/models/ops/test_varlen_attention.py`, against the float64 reference; MLA's 192/128 and 96/64 also in
@@ -45,21 +45,19 @@ def auto_cuda_attention(shapes=()) -> tuple[str, str]:
     return "fa4", "flash-attn-4 can run here, on head dims it was tested with"
 
 
-def use_cuda_attention(name: str, shapes=()) -> str:
-    """Run CUDA bf16/fp16 attention with pair `name` (or the pair "auto" means for attention of `shapes`,
-    `auto_cuda_attention`) from now on; returns the pair used until now.
+def use_cuda_attention(name: str) -> str:
+    """Run CUDA bf16/fp16 attention with pair `name` from now on; returns the pair used until now. ("auto" is
+    resolved by the caller, `auto_cuda_attention`, which needs the model's attention shapes.)
 
     Raises:
-        ValueError: `name` is not among `ATTENTION_CHOICES`.
+        ValueError: `name` is not a pair of `CUDA_ATTENTION`.
         RuntimeError: fa4, and flash-attn-4 cannot be imported or this process's GPU is older than Hopper (the
             message says why).
     """
     global _cuda_attention
-    if name not in ATTENTION_CHOICES:
-        raise ValueError(f"CUDA attention kernels are one of {', '.join(ATTENTION_CHOICES)}, got {name!r}")
-    if name == "auto":
-        name = auto_cuda_attention(shapes)[0]
-    elif name == "fa4":
+    if name not in CUDA_ATTENTION:
+        raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
+    if name == "fa4":
         require_fa4()
     previous, _cuda_attention = _cuda_attention, name
     return previous
