@@ -16,12 +16,17 @@ import triton
 from models.ops.logsoftmax import kernels
 
 
+def _check_unit_column_stride(logits_RV: torch.Tensor) -> None:
+    """The kernels read each row's columns contiguously."""
+    if logits_RV.stride(1) != 1 and logits_RV.shape[1] > 1:
+        raise ValueError(f"`logits_RV` needs unit column stride, got strides {logits_RV.stride()}")
+
+
 @torch.compiler.disable
 def fused_exp_sums(logits_RV: torch.Tensor, max_R: torch.Tensor, with_entropy: bool) -> torch.Tensor:
     """As `naive_exp_sums` (fp32 logits with unit column stride on CUDA)."""
     R, V = logits_RV.shape
-    if logits_RV.stride(1) != 1 and V > 1:
-        raise ValueError(f"`logits_RV` needs unit column stride, got strides {logits_RV.stride()}")
+    _check_unit_column_stride(logits_RV)
     n = 2 if with_entropy else 1
     partial = torch.empty(n, R, kernels.NSPLIT, dtype=torch.float32, device=logits_RV.device)
     split_cols = triton.cdiv(triton.cdiv(V, kernels.NSPLIT), kernels.BV) * kernels.BV
@@ -41,8 +46,7 @@ def fused_logit_grads(
 ) -> torch.Tensor:
     """As `naive_logit_grads` (fp32 logits with unit column stride on CUDA; `rows_P` ascending)."""
     R, V = logits_RV.shape
-    if logits_RV.stride(1) != 1 and V > 1:
-        raise ValueError(f"`logits_RV` needs unit column stride, got strides {logits_RV.stride()}")
+    _check_unit_column_stride(logits_RV)
     if out is not None and (out.shape != (R, V) or out.dtype != dtype or not out.is_contiguous()):
         raise ValueError(f"`out` must be a contiguous [{R}, {V}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     d_RV = torch.empty(R, V, dtype=dtype, device=logits_RV.device) if out is None else out
