@@ -18,6 +18,11 @@ tensor could hand back overwritten data unnoticed; `tests/models/test_recompute.
 
 Saved op outputs live in torch's checkpoint storage, not in autograd's saved tensors, so `saved_tensors_hooks`
 (`parallel.host_offload`) cannot move them: inside `without_saved_ops()` every part recomputes whole.
+
+While backward recomputes a part, `in_recomputation()` is true. A recomputed forward runs right before the part's
+backward and its saved tensors live only until that backward has run, so an op may then keep intermediates that
+its backward would otherwise compute again (the KDA cores, `models.ops.kda`): they cost memory for one part at a
+time, where keeping them in every layer's first forward would hold them for all layers.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from models.config import LayerType, ModelConfig
 
-__all__ = ["LayerRecompute", "SAVE_GROUPS", "SelectiveRecompute", "parse_recompute_option", "save_ops",
-           "without_saved_ops"]
+__all__ = ["LayerRecompute", "SAVE_GROUPS", "SelectiveRecompute", "in_recomputation", "parse_recompute_option",
+           "save_ops", "without_saved_ops"]
 
 Part = Literal["layer", "mixer", "ffn"]
 SaveGroup = Literal["attention", "experts", "mm"]
@@ -58,6 +63,23 @@ SAVE_GROUPS: dict[str, frozenset[str]] = {
 }
 
 _saving_ops = contextvars.ContextVar("saving_ops", default=True)
+_recomputing = contextvars.ContextVar("recomputing", default=False)
+
+
+def in_recomputation() -> bool:
+    """Whether the forward now running is backward's recomputation of a `LayerRecompute` part (module docstring)."""
+    return _recomputing.get()
+
+
+@contextlib.contextmanager
+def _recomputation(inner: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
+    """Checkpoint's recomputation context (`inner`: a selective policy's): sets `in_recomputation()`."""
+    token = _recomputing.set(True)
+    try:
+        with inner or contextlib.nullcontext():
+            yield
+    finally:
+        _recomputing.reset(token)
 
 
 @contextlib.contextmanager
@@ -97,12 +119,17 @@ class LayerRecompute:
     save: tuple[SaveGroup, ...] = ()
 
     def run(self, fn: Callable, *args):
-        """`fn(*args)`, its activations recomputed in backward (when grad is enabled)."""
+        """`fn(*args)`, its activations recomputed in backward (when grad is enabled), with `in_recomputation()`
+        true while they are."""
         if not self.save or not _saving_ops.get():
-            return checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint(fn, *args, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), _recomputation()))
         policy = _policy(tuple(self.save))
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
+
+        def contexts():
+            forward, recompute = create_selective_checkpoint_contexts(policy)
+            return forward, _recomputation(recompute)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 @dataclass(kw_only=True)

@@ -106,6 +106,26 @@ def test_op_policy_keeps_the_saved_outputs():
     assert backward_mm_calls(model, SelectiveRecompute(save=("mm",)), without_saved_ops) == full
 
 
+@pytest.mark.parametrize("save", [(), ("mm",)], ids=["whole", "op policy"])
+@pytest.mark.parametrize("scope", [contextlib.nullcontext, without_saved_ops])
+def test_in_recomputation_only_while_backward_recomputes(save, scope):
+    """`in_recomputation()` is false in the forward and outside any part, true while backward recomputes a part
+    (the KDA cores then keep what their backward needs: `models.ops.kda`), with or without an op policy."""
+    seen = []
+
+    def part(x):
+        seen.append(recompute.in_recomputation())
+        return (x @ x).sin()
+
+    x = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    with scope():
+        y = LayerRecompute("layer", save).run(part, x)
+        assert seen == [False]
+        y.sum().backward()
+    assert seen == [False, True] and not recompute.in_recomputation()
+    assert torch.allclose(x.grad, torch.autograd.grad((x @ x).sin().sum(), x)[0])
+
+
 def test_save_groups_name_ops_of_this_torch():
     """Every name in SAVE_GROUPS is an op of this torch (an ATen op overload or the flex-attention higher-order op)
     or a custom op `models` registers on import (`arbor::fa4_varlen_forward`), so a misspelt or removed op cannot

@@ -14,7 +14,10 @@ piece's final-state gradient plus the initial-state gradient of its continuation
 and values into the round's buffers in place (`models.ops.kda.recurrence`: no per-call output is concatenated). Each
 kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the results are the same,
 bit for bit (measured on the H200 with concatenated per-call outputs: `tests/models/ops/test_kda_round.py`; the
-in-place writes are not run on a GPU yet).
+in-place writes are not run on a GPU yet). In backward's recomputation of a layer
+(`models.recompute.in_recomputation`) the forward keeps the WY factors, gated q/k, chunk states and new values
+(`Kept`), as `models.ops.kda.chunk` has fla keep them, so backward runs neither `recompute_w_u_fwd` nor the forward
+recurrence again.
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
 dispatch; here it is about 7 and 10 per round plus 1 forward and 2 backward per call. Tree rounds on SWE-like steps
@@ -27,16 +30,29 @@ beta activated outside, q/k normalised, K-first fp32 states, no context parallel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from models.ops.delta_rule.partition import check_delta_rule_shapes
 from models.ops.kda.chunk import check_fla_kda_limits
 from models.ops.kda.recurrence import bwd_dhu_into, fwd_h_into
+from models.recompute import in_recomputation
 
 if TYPE_CHECKING:
     from models.tree.layout import CoreRound
+
+
+class Kept(NamedTuple):
+    """What a round's backward otherwise computes again: the WY factors w, u `[1, T, HV, K|V]`, the gated q and k
+    `[1, T, HV, K]`, the chunk states h `[1, NT, HV, K, V]` and the new values v_new `[1, T, HV, V]`."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
 
 
 def _recurrence(kg, w, u, g_cum, rnd: CoreRound, initial_state=None, inits=None):
@@ -62,10 +78,11 @@ def _recurrence(kg, w, u, g_cum, rnd: CoreRound, initial_state=None, inits=None)
     return h, v_new, starts, finals
 
 
-def kda_round_fwd(q, k, v, g, beta, scale: float, initial_state, rnd: CoreRound):
+def kda_round_fwd(q, k, v, g, beta, scale: float, initial_state, rnd: CoreRound, keep: bool = False):
     """Forward of a round: q, k `[1, T, H, K]`, v `[1, T, HV, V]`, g `[1, T, HV, K]` (log decay), beta `[1, T, HV]`,
     initial_state `[N_0, HV, K, V]` fp32 or None. Returns o `[1, T, HV, V]`, the final state of every piece
-    `[P, HV, K, V]` fp32, and for backward the gate's chunk cumsum, Aqk, Akk and each call's initial states."""
+    `[P, HV, K, V]` fp32, and for backward the gate's chunk cumsum, Aqk, Akk, each call's initial states and, with
+    `keep`, `Kept` (what backward would otherwise compute again; None without)."""
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -73,25 +90,30 @@ def kda_round_fwd(q, k, v, g, beta, scale: float, initial_state, rnd: CoreRound)
 
     B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
     g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=B, **packed)
-    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, chunk_size=B,
-                                                **packed)
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, chunk_size=B,
+                                                 disable_recompute=keep, **packed)
     h, v_new, inits, finals = _recurrence(kg, w, u, g_cum, rnd, initial_state=initial_state)
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=B, **packed)
-    return o, torch.cat(finals), g_cum, Aqk, Akk, inits
+    return o, torch.cat(finals), g_cum, Aqk, Akk, inits, Kept(w, u, qg, kg, h, v_new) if keep else None
 
 
-def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_finals, rnd: CoreRound):
+def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_finals, rnd: CoreRound,
+                  kept: Kept | None = None):
     """Backward of a round from `kda_round_fwd`'s saved tensors, do `[1, T, HV, V]` and d_finals `[P, HV, K, V]`:
     (dq, dk, dv, dg, dbeta, d initial_state or None). Call j's `dht` is its pieces' final-state gradient plus, where a
-    piece continues in call j+1, that continuation's initial-state gradient."""
+    piece continues in call j+1, that continuation's initial-state gradient. Without `kept` the WY factors and the
+    forward recurrence run again (as fla's backward does)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
 
     B, packed = rnd.chunk_size, dict(cu_seqlens=rnd.cu_seqlens, chunk_indices=rnd.chunk_indices)
-    w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
-    h, v_new, _, _ = _recurrence(kg, w, u, g_cum, rnd, inits=inits)
+    if kept is None:
+        w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
+        h, v_new, _, _ = _recurrence(kg, w, u, g_cum, rnd, inits=inits)
+    else:
+        w, u, qg, kg, h, v_new = kept
     dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
     rows, chunks, states = rnd.row_bounds, rnd.chunk_bounds, rnd.final_bounds
     dh, dv2 = torch.empty_like(h, dtype=qg.dtype), torch.empty_like(dv)
@@ -123,23 +145,28 @@ def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_fin
 
 
 class KDARoundFunction(torch.autograd.Function):
-    """`kda_round_fwd` / `kda_round_bwd` under autograd, on the inputs' device."""
+    """`kda_round_fwd` / `kda_round_bwd` under autograd, on the inputs' device. In backward's recomputation of a
+    layer (`models.recompute.in_recomputation`) it keeps `Kept`, as `models.ops.kda.chunk` has fla do."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, rnd, scale):
+        keep = in_recomputation()
         with torch.cuda.device(q.device):
-            o, finals, g_cum, Aqk, Akk, inits = kda_round_fwd(q, k, v, g, beta, scale, initial_state, rnd)
-        ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, *(x for x in inits if x is not None))
-        ctx.zero_start, ctx.rnd, ctx.scale, ctx.g_dtype = initial_state is None, rnd, scale, g.dtype
+            o, finals, g_cum, Aqk, Akk, inits, kept = kda_round_fwd(q, k, v, g, beta, scale, initial_state, rnd, keep)
+        starts = [x for x in inits if x is not None]
+        ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, *(kept or ()), *starts)
+        ctx.zero_start, ctx.rnd, ctx.scale, ctx.g_dtype, ctx.kept = initial_state is None, rnd, scale, g.dtype, keep
         return o.type_as(q), finals
 
     @staticmethod
     def backward(ctx, do, d_finals):
-        q, k, v, g_cum, beta, Aqk, Akk, *inits = ctx.saved_tensors
+        q, k, v, g_cum, beta, Aqk, Akk, *rest = ctx.saved_tensors
+        kept = Kept(*rest[:len(Kept._fields)]) if ctx.kept else None
+        inits = rest[len(Kept._fields):] if ctx.kept else rest
         with torch.cuda.device(q.device):
             dq, dk, dv, dg, db, dh0 = kda_round_bwd(
                 q, k, v, g_cum, beta, Aqk, Akk, [None, *inits] if ctx.zero_start else inits, ctx.scale,
-                do.contiguous(), d_finals, ctx.rnd,
+                do.contiguous(), d_finals, ctx.rnd, kept,
             )
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0, None, None
 

@@ -140,13 +140,15 @@ def test_fla_round_refuses_what_fla_cannot_run(planned, runs, head_dim, message)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
+@pytest.mark.parametrize("recomputing", [False, True], ids=["forward", "recomputation"])
 @pytest.mark.parametrize("own_kernels", [True, False], ids=["in place", "dispatched"])
 @pytest.mark.parametrize("zero_start", [False, True])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
-def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels, monkeypatch):
+def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels, recomputing, monkeypatch):
     """Also with the recurrences through fla's dispatched wrappers, as where another fla backend is active
-    (`models.ops.kda.recurrence`)."""
-    from models.ops.kda import recurrence
+    (`models.ops.kda.recurrence`), and in a layer's recomputation, where both paths keep what their backward
+    would compute again (`models.recompute.in_recomputation`): the same bits as when they recompute it."""
+    from models.ops.kda import chunk, recurrence, round as kda_round
 
     monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
@@ -168,9 +170,14 @@ def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels,
         names = [n for n in leaves if n != "initial_state" or not zero_start]
         return o, finals, dict(zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])))
 
-    o, finals, grads = run(fused=True)
     o_ref, finals_ref, grads_ref = run(fused=False)
+    for module in (chunk, kda_round):
+        monkeypatch.setattr(module, "in_recomputation", lambda: recomputing)
+    o, finals, grads = run(fused=True)
+    o_kept, finals_kept, grads_kept = run(fused=False)
     assert finals.shape == (rnd.final_bounds[-1], 16, 128, 128)
     assert torch.equal(o, o_ref) and torch.equal(finals, finals_ref)
+    assert torch.equal(o_kept, o_ref) and torch.equal(finals_kept, finals_ref)
     for name, g in grads_ref.items():
         assert torch.equal(grads[name], g), name
+        assert torch.equal(grads_kept[name], g), f"{name}, call by call, kept"
