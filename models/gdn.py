@@ -62,6 +62,11 @@ class GatedDeltaNet(LinearAttention):
 
     core_op = staticmethod(gdn_core)
 
+    def conv_groups(self) -> tuple[int, int, int]:
+        c = self.config
+        key_dim = c.num_k_heads * c.head_k_dim
+        return key_dim, key_dim, c.num_v_heads * c.head_v_dim
+
     def project(self, x_TD: torch.Tensor) -> GDNRows:
         """Step 1 (per row): x `[T, D]` -> `GDNRows`."""
         c = self.config
@@ -72,11 +77,12 @@ class GatedDeltaNet(LinearAttention):
         qkv_TC = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
         return GDNRows(qkv_TC, z.reshape(T, c.num_v_heads, c.head_v_dim), b.reshape(T, -1), a.reshape(T, -1))
 
-    def activate(self, rows: GDNRows, qkv_TC: torch.Tensor) -> CoreInputs:
-        """Step 3 (per row): split heads, L2-normalise q/k, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    def activate(self, rows: GDNRows, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> CoreInputs:
+        """Step 3 (per row): split heads, L2-normalise q/k, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
+        `qkv`: the conv's q, k `[T, H K]` and v `[T, HV V]`."""
         c = self.config
-        T, key_dim = qkv_TC.shape[0], c.num_k_heads * c.head_k_dim
-        q, k, v = qkv_TC.split([key_dim, key_dim, c.num_v_heads * c.head_v_dim], dim=-1)
+        T = qkv[0].shape[0]
+        q, k, v = qkv
         dtype = upcast(rows.a.dtype)
         g_THV = -self.A_log.to(dtype).exp() * F.softplus(rows.a.to(dtype) + self.dt_bias.to(dtype))
         return CoreInputs(

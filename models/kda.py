@@ -7,6 +7,11 @@ Parameters (transformers names): `q_proj`, `k_proj`, `v_proj` (D -> H K), `conv1
 `forget_gate.A_log [1, 1, H, 1]`, `b_proj` (D -> H), `g_a_proj` (D -> K), `g_b_proj` (K -> H K), `o_norm` (gated
 RMSNorm over K, sigmoid gate), `o_proj`. Decay per channel: g = -exp(A_log_h) * softplus(f + dt_bias);
 beta = sigmoid(b_proj x).
+
+The six projections that read the layer input (q, k, v, f_a, g_a, b) run as one GEMM over their concatenated
+weights `[3 H K + 2 K + H, D]` (ling-3-tiny: 6,416 x 1,536, 20 MB): the input is read once, its gradient is one
+GEMM instead of six summed ones, and q|k|v is a column slice of the output instead of a concatenation. Each output
+row is the same dot products as six separate GEMMs compute.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.config import KDAConfig
@@ -79,21 +85,26 @@ class KimiDeltaAttention(LinearAttention):
     core_op = staticmethod(kda_core)
     round_op = staticmethod(fla_kda_round)
 
-    def project(self, x_TD: torch.Tensor) -> KDARows:
-        """Step 1 (per row): x `[T, D]` -> `KDARows`."""
-        c = self.config
-        T = x_TD.shape[0]
-        qkv_TC = torch.cat((self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)), dim=-1)
-        f = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(x_TD))
-        gate = self.g_b_proj(self.g_a_proj(x_TD)).view(T, c.num_heads, c.head_dim)
-        return KDARows(qkv_TC, f, self.b_proj(x_TD), gate)
+    def conv_groups(self) -> tuple[int, int, int]:
+        HK = self.config.num_heads * self.config.head_dim
+        return HK, HK, HK
 
-    def activate(self, rows: KDARows, qkv_TC: torch.Tensor) -> CoreInputs:
-        """Step 3 (per row): split heads, L2-normalise q/k, per-channel g = -exp(A_log) softplus(f + dt_bias)
-        (`models.ops.gate.kda_decay`, fp32), beta = sigmoid(b)."""
+    def project(self, x_TD: torch.Tensor) -> KDARows:
+        """Step 1 (per row): x `[T, D]` -> `KDARows` (one GEMM: module docstring); qkv, b are column slices."""
         c = self.config
-        T = qkv_TC.shape[0]
-        q, k, v = (t.reshape(T, c.num_heads, c.head_dim) for t in qkv_TC.chunk(3, dim=-1))
+        T, HK, fg = x_TD.shape[0], c.num_heads * c.head_dim, self.forget_gate
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, fg.f_a_proj.weight,
+                            self.g_a_proj.weight, self.b_proj.weight])
+        qkv_TC, f_a, g_a, b = F.linear(x_TD, weight).split([3 * HK, c.head_dim, c.head_dim, c.num_heads], dim=-1)
+        gate = self.g_b_proj(g_a).view(T, c.num_heads, c.head_dim)
+        return KDARows(qkv_TC, fg.f_b_proj(f_a), b, gate)
+
+    def activate(self, rows: KDARows, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> CoreInputs:
+        """Step 3 (per row): split heads, L2-normalise q/k, per-channel g = -exp(A_log) softplus(f + dt_bias)
+        (`models.ops.gate.kda_decay`, fp32), beta = sigmoid(b). `qkv`: the conv's q, k, v `[T, H K]`."""
+        c = self.config
+        T = qkv[0].shape[0]
+        q, k, v = (t.reshape(T, c.num_heads, c.head_dim) for t in qkv)
         fg = self.forget_gate
         g_THK = kda_decay(rows.f.reshape(T, c.num_heads, c.head_dim), fg.A_log, fg.dt_bias)
         return CoreInputs(q=l2_norm(q), k=l2_norm(k), v=v, g=g_THK, beta=torch.sigmoid(rows.b))

@@ -6,7 +6,7 @@ HV value heads, K/V key/value head dims.
 Steps (1, 3 and 5 are pure functions of their row; 2 and 4 couple the rows of one packed sequence):
   1. `project(x)`        per-row projections: q|k|v before the conv, raw gate inputs            -> mixer's `Rows`
   2. `conv(qkv, ...)`    short causal depthwise conv + silu per packed sequence, with optional
-                         per-sequence initial conv states                                     -> `[T, C]`
+                         per-sequence initial conv states                          -> q, k, v `[T, C_q|C_k|C_v]`
   3. `activate(rows, qkv_conv)`  per-row: split heads, L2-normalise q and k, activate the decay
                          g (log space, fp32) and beta (sigmoid)                                 -> `CoreInputs`
   4. `core(inputs, ...)` chunkwise delta rule per packed sequence (models.ops), with initial and
@@ -49,7 +49,7 @@ class CoreInputs:
 
 class LinearAttention(nn.Module):
     """Base of `GatedDeltaNet` and `KimiDeltaAttention`: owns the conv and the core call; subclasses define
-    `project`, `activate`, `output` and the core op `core_op`."""
+    `conv_groups`, `project`, `activate`, `output` and the core op `core_op`."""
 
     core_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
@@ -63,27 +63,41 @@ class LinearAttention(nn.Module):
         # Depthwise, no bias; held as nn.Conv1d so the parameter is `conv1d.weight` `[C, 1, W]` as in transformers.
         self.conv1d = nn.Conv1d(conv_channels, conv_channels, conv_size, groups=conv_channels, bias=False)
 
+    def conv_groups(self) -> tuple[int, int, int]:
+        """Channel widths (C_q, C_k, C_v) of q, k and v in the conv's `[T, C]` input (from the config, which tensor
+        parallelism divides)."""
+        raise NotImplementedError
+
     def conv(
         self,
         qkv_TC: torch.Tensor,
         cu_seqlens: torch.Tensor,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Step 2: causal depthwise conv + silu of each packed sequence (restarting at every sequence).
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """Step 2: causal depthwise conv + silu of each packed sequence (restarting at every sequence), one call per
+        channel group, so q, k and v come out contiguous (the core's kernels take them without a copy) whatever the
+        input's row stride (it may be a column slice of a wider projection output).
 
         Args:
-            qkv_TC: `[T, C]` step-1 output.
+            qkv_TC: `[T, C]` step-1 output, C = C_q + C_k + C_v.
             cu_seqlens: LongTensor `[N+1]`.
             initial_state: `[N, C, W]` the inputs preceding each sequence (fla convention), None = zeros.
             output_final_state: also return each sequence's last inputs `[N, C, W]`.
-        Returns: (`[T, C]`, final state or None).
+        Returns: ((q `[T, C_q]`, k `[T, C_k]`, v `[T, C_v]`), final state or None).
         """
-        y, final = short_conv(
-            qkv_TC[None], self.conv1d.weight[:, 0, :], bias=None, initial_state=initial_state,
-            output_final_state=output_final_state, activation="silu", cu_seqlens=cu_seqlens,
-        )
-        return y[0], final
+        outputs, finals, start = [], [], 0
+        for width in self.conv_groups():
+            part = slice(start, start + width)
+            y, final = short_conv(
+                qkv_TC[None, :, part], self.conv1d.weight[part, 0, :], bias=None,
+                initial_state=None if initial_state is None else initial_state[:, part],
+                output_final_state=output_final_state, activation="silu", cu_seqlens=cu_seqlens,
+            )
+            outputs.append(y[0])
+            finals.append(final)
+            start += width
+        return tuple(outputs), torch.cat(finals, dim=1) if output_final_state else None
 
     def core(
         self,
@@ -138,6 +152,6 @@ class LinearAttention(nn.Module):
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Flat packed forward from zero states: steps 1-5."""
         rows = self.project(x_TD)
-        qkv_TC, _ = self.conv(rows.qkv, cu_seqlens)
-        o, _ = self.core(self.activate(rows, qkv_TC), cu_seqlens)
+        qkv, _ = self.conv(rows.qkv, cu_seqlens)
+        o, _ = self.core(self.activate(rows, qkv), cu_seqlens)
         return self.output(o, rows)

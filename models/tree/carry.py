@@ -126,8 +126,8 @@ class CarryContext(TreeContext):
         layout = self.layout
         rows = mixer.project(h_CD)
         init = conv_initial_state(_cat(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
-        qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
-        inputs = mixer.activate(rows, qkv_CX)
+        qkv, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
+        inputs = mixer.activate(rows, qkv)
         replay = self.read(mixer, "replay")
         core_inputs = CoreInputs(*(_cat(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
         o, states = linear_attention_states(mixer, core_inputs, layout, self.read(mixer, "state").get("state"),

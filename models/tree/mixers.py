@@ -84,8 +84,8 @@ def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLa
     """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
     rows = mixer.project(h_CD)
     init = conv_initial_state(rows.qkv, layout.conv_context)
-    qkv_CX, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
-    o = linear_attention_rounds(mixer, mixer.activate(rows, qkv_CX), layout)
+    qkv, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
+    o = linear_attention_rounds(mixer, mixer.activate(rows, qkv), layout)
     return mixer.output(o, rows)
 
 

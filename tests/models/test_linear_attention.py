@@ -45,7 +45,9 @@ def test_split_at_chunk_boundary_with_handed_over_states_is_bitwise(mixer):
         conv_a, conv_state = mixer.conv(rows.qkv[:SPLIT], torch.tensor([0, SPLIT]), output_final_state=True)
         conv_b, _ = mixer.conv(rows.qkv[SPLIT:], torch.tensor([0, T - SPLIT]), initial_state=conv_state)
         conv_all, _ = mixer.conv(rows.qkv, whole)
-        assert torch.equal(torch.cat([conv_a, conv_b]), conv_all)
+        assert [t.shape[1] for t in conv_all] == list(mixer.conv_groups())
+        for a, b, whole_rows in zip(conv_a, conv_b, conv_all):
+            assert torch.equal(torch.cat([a, b]), whole_rows)
 
         inputs = mixer.activate(rows, conv_all)
         o_a, state = mixer.core(rows_of(inputs, slice(0, SPLIT)), torch.tensor([0, SPLIT]), output_final_state=True)
@@ -60,8 +62,8 @@ def test_steps_are_row_wise(mixer):
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         rows, rows_p = mixer.project(x), mixer.project(x[perm])
-        conv = torch.randn_like(rows.qkv)
-        a, b = mixer.activate(rows, conv), mixer.activate(rows_p, conv[perm])
+        conv = torch.randn_like(rows.qkv).split(mixer.conv_groups(), dim=-1)
+        a, b = mixer.activate(rows, conv), mixer.activate(rows_p, tuple(t[perm] for t in conv))
         for name in ("q", "k", "v", "g", "beta"):
             assert torch.allclose(getattr(a, name)[perm], getattr(b, name), rtol=1e-6, atol=1e-7), name
         o = torch.randn_like(a.v)
