@@ -9,7 +9,9 @@ torch.compile's Triton kernels go there too (inductor reads `TRITON_CACHE_DIR`).
 
 Triton reads the variable each time it looks up a kernel, so setting it before the first kernel compiles is enough
 (this module imports neither triton nor fla). The RL job (`train.kernel_cache`) and the benchmarks
-(`--kernel-cache`) choose the folder with `use_kernel_cache`.
+(`--kernel-cache`) choose the folder with `use_kernel_cache`, which also points fla at the kernel configs tuned for
+the GPU in use, where there are some (`models.ops.tuned_configs`): those kernels then compile one config each and
+do not autotune.
 
 FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, 12-15 s
 per phase's shapes on an H200, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
@@ -24,6 +26,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.ops.tuned_configs import use_tuned_configs
 
 __all__ = ["TRITON_CACHE_ENV", "FA4_CACHE_ENV", "FA4_CACHE_ON_ENV", "FA4_SUBFOLDER", "KernelCache",
            "use_kernel_cache", "cache_entries"]
@@ -46,12 +50,15 @@ class KernelCache:
     """What chose the folder: the setting's name, `TRITON_CACHE_DIR`, or "default"."""
     entries: int
     """Kernels (cache entries) the folder held before this process compiled anything."""
+    tuned: str = ""
+    """What `models.ops.tuned_configs.use_tuned_configs` said (empty without a GPU)."""
 
     def describe(self) -> str:
         state = (f"{self.entries} entries: kernels and shapes not among them compile on first use"
                  if self.entries else
                  "empty: kernels compile and autotune on first use, minutes")
-        return f"kernel cache {self.folder} ({state}; from {self.source})"
+        line = f"kernel cache {self.folder} ({state}; from {self.source})"
+        return f"{line}\n{self.tuned}" if self.tuned else line
 
 
 def cache_entries(folder: Path) -> int:
@@ -87,7 +94,10 @@ def use_kernel_cache(folder: str | Path | None, default: str | Path | None, sett
     chosen.mkdir(parents=True, exist_ok=True)
     os.environ[TRITON_CACHE_ENV] = _set_here = str(chosen)
     _share_with_fa4(chosen)
-    return KernelCache(chosen, source, cache_entries(chosen))
+    import torch
+
+    tuned = use_tuned_configs(torch.cuda.get_device_name()) if torch.cuda.is_available() else ""
+    return KernelCache(chosen, source, cache_entries(chosen), tuned)
 
 
 def _share_with_fa4(folder: Path) -> None:
