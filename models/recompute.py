@@ -19,10 +19,12 @@ tensor could hand back overwritten data unnoticed; `tests/models/test_recompute.
 Saved op outputs live in torch's checkpoint storage, not in autograd's saved tensors, so `saved_tensors_hooks`
 (`parallel.host_offload`) cannot move them: inside `without_saved_ops()` every part recomputes whole.
 
-While backward recomputes a part, `in_recomputation()` is true. A recomputed forward runs right before the part's
-backward and its saved tensors live only until that backward has run, so an op may then keep intermediates that
-its backward would otherwise compute again (the KDA cores, `models.ops.kda`): they cost memory for one part at a
-time, where keeping them in every layer's first forward would hold them for all layers.
+Inside a recomputed part, in its forward and in backward's recomputation of it, `in_recomputed_part()` is true.
+Checkpointing drops the part's saved tensors in the forward and keeps the recomputed ones from the recomputation,
+which runs right before the part's backward, until that backward has run; so an op may save intermediates there
+that its backward would otherwise compute again (the KDA cores, `models.ops.kda`) at the cost of one part's memory
+at a time, where saving them in a layer that is not recomputed would hold them for every layer. Both passes must
+save the same tensors (torch checks their number and shapes), so the flag is on in both.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from models.config import LayerType, ModelConfig
 
-__all__ = ["LayerRecompute", "SAVE_GROUPS", "SelectiveRecompute", "in_recomputation", "parse_recompute_option",
+__all__ = ["LayerRecompute", "SAVE_GROUPS", "SelectiveRecompute", "in_recomputed_part", "parse_recompute_option",
            "save_ops", "without_saved_ops"]
 
 Part = Literal["layer", "mixer", "ffn"]
@@ -63,23 +65,24 @@ SAVE_GROUPS: dict[str, frozenset[str]] = {
 }
 
 _saving_ops = contextvars.ContextVar("saving_ops", default=True)
-_recomputing = contextvars.ContextVar("recomputing", default=False)
+_in_part = contextvars.ContextVar("in_recomputed_part", default=False)
 
 
-def in_recomputation() -> bool:
-    """Whether the forward now running is backward's recomputation of a `LayerRecompute` part (module docstring)."""
-    return _recomputing.get()
+def in_recomputed_part() -> bool:
+    """Whether the forward now running belongs to a `LayerRecompute` part: its first forward or backward's
+    recomputation of it (module docstring)."""
+    return _in_part.get()
 
 
 @contextlib.contextmanager
-def _recomputation(inner: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
-    """Checkpoint's recomputation context (`inner`: a selective policy's): sets `in_recomputation()`."""
-    token = _recomputing.set(True)
+def _recomputed_part(inner: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
+    """One of checkpoint's two contexts (`inner`: the selective policy's one): sets `in_recomputed_part()`."""
+    token = _in_part.set(True)
     try:
         with inner or contextlib.nullcontext():
             yield
     finally:
-        _recomputing.reset(token)
+        _in_part.reset(token)
 
 
 @contextlib.contextmanager
@@ -119,16 +122,16 @@ class LayerRecompute:
     save: tuple[SaveGroup, ...] = ()
 
     def run(self, fn: Callable, *args):
-        """`fn(*args)`, its activations recomputed in backward (when grad is enabled), with `in_recomputation()`
-        true while they are."""
+        """`fn(*args)`, its activations recomputed in backward (when grad is enabled), with `in_recomputed_part()`
+        true in both passes."""
         if not self.save or not _saving_ops.get():
             return checkpoint(fn, *args, use_reentrant=False,
-                              context_fn=lambda: (contextlib.nullcontext(), _recomputation()))
+                              context_fn=lambda: (_recomputed_part(), _recomputed_part()))
         policy = _policy(tuple(self.save))
 
         def contexts():
             forward, recompute = create_selective_checkpoint_contexts(policy)
-            return forward, _recomputation(recompute)
+            return _recomputed_part(forward), _recomputed_part(recompute)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 

@@ -106,24 +106,44 @@ def test_op_policy_keeps_the_saved_outputs():
     assert backward_mm_calls(model, SelectiveRecompute(save=("mm",)), without_saved_ops) == full
 
 
+class _SavesMoreInsideAPart(torch.autograd.Function):
+    """sin(x x^T) that, like the KDA cores (`models.ops.kda`), saves an intermediate for its backward (before its
+    other saved tensor, as fla's do) only inside a recomputed part and computes it again in backward otherwise."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xx = x @ x.T
+        ctx.kept = recompute.in_recomputed_part()
+        ctx.save_for_backward(xx, x) if ctx.kept else ctx.save_for_backward(x)
+        return xx.sin()
+
+    @staticmethod
+    def backward(ctx, dy):
+        *kept, x = ctx.saved_tensors
+        dxx = dy * (kept[0] if ctx.kept else x @ x.T).cos()
+        return (dxx + dxx.T) @ x
+
+
 @pytest.mark.parametrize("save", [(), ("mm",)], ids=["whole", "op policy"])
 @pytest.mark.parametrize("scope", [contextlib.nullcontext, without_saved_ops])
-def test_in_recomputation_only_while_backward_recomputes(save, scope):
-    """`in_recomputation()` is false in the forward and outside any part, true while backward recomputes a part
-    (the KDA cores then keep what their backward needs: `models.ops.kda`), with or without an op policy."""
+def test_in_recomputed_part_in_both_passes_of_a_part(save, scope):
+    """`in_recomputed_part()` is true in a part's forward and in backward's recomputation of it, false outside, with
+    or without an op policy; an op that saves more inside a part saves the same in both passes (torch's checkpoint
+    checks their number and shapes) and gets the same gradient."""
     seen = []
 
     def part(x):
-        seen.append(recompute.in_recomputation())
-        return (x @ x).sin()
+        seen.append(recompute.in_recomputed_part())
+        return _SavesMoreInsideAPart.apply(x) @ x  # the product's saved tensors come after the op's
 
-    x = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     with scope():
         y = LayerRecompute("layer", save).run(part, x)
-        assert seen == [False]
+        assert seen == [True] and not recompute.in_recomputed_part()
         y.sum().backward()
-    assert seen == [False, True] and not recompute.in_recomputation()
-    assert torch.allclose(x.grad, torch.autograd.grad((x @ x).sin().sum(), x)[0])
+    assert seen == [True, True] and not recompute.in_recomputed_part()
+    reference = torch.autograd.grad((_SavesMoreInsideAPart.apply(x) @ x).sum(), x)[0]
+    assert torch.allclose(x.grad, reference, rtol=1e-13)
 
 
 def test_save_groups_name_ops_of_this_torch():

@@ -7,7 +7,7 @@ Reference with the same signature: `models.ops.kda.naive.naive_chunk_kda`.
 import torch
 
 from models.ops.delta_rule.fla_args import fla_delta_rule_kwargs
-from models.recompute import in_recomputation
+from models.recompute import in_recomputed_part
 
 FLA_KDA_CHUNK_SIZES = (32, 64)
 FLA_KDA_MAX_HEAD_DIM = 256
@@ -37,11 +37,11 @@ def chunk_kda(
     """KDA core on fla's Triton kernels; arguments and returns as `naive_chunk_kda` (chunk_size 32 or 64, K <= 256).
 
     Gates and beta arrive activated and q/k normalised, so every in-kernel activation flag stays off; states are
-    K-first `[N, HV, K, V]` fp32 (`models.ops.delta_rule.fla_args`). In backward's recomputation of a layer
-    (`models.recompute.in_recomputation`) fla keeps the WY factors, chunk states and new values it computes
-    (`disable_recompute`: about 7 `[T, HV, K]`-sized bf16 tensors, alive until this layer's backward has run), so
-    its backward does not run `recompute_w_u_fwd` and the state recurrence again. fla is imported here (a slow
-    import).
+    K-first `[N, HV, K, V]` fp32 (`models.ops.delta_rule.fla_args`). In a layer that backward recomputes
+    (`models.recompute.in_recomputed_part`) fla saves the WY factors, chunk states and new values it computes
+    (`disable_recompute`: about 7 `[T, HV, K]`-sized bf16 tensors, kept only from this layer's recomputation to its
+    backward), so its backward does not run `recompute_w_u_fwd` and the state recurrence again. fla is imported
+    here (a slow import).
     """
     check_fla_kda_limits(chunk_size, q.shape[-1] if q.dim() == 4 else 0)
     kwargs = fla_delta_rule_kwargs(
@@ -51,5 +51,5 @@ def chunk_kda(
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     o, final_state = fla_chunk_kda(q, k, v, g, beta, use_gate_in_kernel=False,
-                                   disable_recompute=in_recomputation(), **kwargs)
+                                   disable_recompute=in_recomputed_part(), **kwargs)
     return o.to(v.dtype), final_state

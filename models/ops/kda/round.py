@@ -14,9 +14,9 @@ piece's final-state gradient plus the initial-state gradient of its continuation
 and values into the round's buffers in place (`models.ops.kda.recurrence`: no per-call output is concatenated). Each
 kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the results are the same,
 bit for bit (measured on the H200 with concatenated per-call outputs: `tests/models/ops/test_kda_round.py`; the
-in-place writes are not run on a GPU yet). In backward's recomputation of a layer
-(`models.recompute.in_recomputation`) the forward keeps the WY factors, gated q/k, chunk states and new values
-(`Kept`), as `models.ops.kda.chunk` has fla keep them, so backward runs neither `recompute_w_u_fwd` nor the forward
+in-place writes are not run on a GPU yet). In a layer that backward recomputes
+(`models.recompute.in_recomputed_part`) the forward saves the WY factors, gated q/k, chunk states and new values
+(`Kept`), as `models.ops.kda.chunk` has fla save them, so backward runs neither `recompute_w_u_fwd` nor the forward
 recurrence again.
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
@@ -37,7 +37,7 @@ import torch
 from models.ops.delta_rule.partition import check_delta_rule_shapes
 from models.ops.kda.chunk import check_fla_kda_limits
 from models.ops.kda.recurrence import bwd_dhu_into, fwd_h_into
-from models.recompute import in_recomputation
+from models.recompute import in_recomputed_part
 
 if TYPE_CHECKING:
     from models.tree.layout import CoreRound
@@ -145,12 +145,12 @@ def kda_round_bwd(q, k, v, g_cum, beta, Aqk, Akk, inits, scale: float, do, d_fin
 
 
 class KDARoundFunction(torch.autograd.Function):
-    """`kda_round_fwd` / `kda_round_bwd` under autograd, on the inputs' device. In backward's recomputation of a
-    layer (`models.recompute.in_recomputation`) it keeps `Kept`, as `models.ops.kda.chunk` has fla do."""
+    """`kda_round_fwd` / `kda_round_bwd` under autograd, on the inputs' device. In a layer that backward
+    recomputes (`models.recompute.in_recomputed_part`) it saves `Kept`, as `models.ops.kda.chunk` has fla do."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, rnd, scale):
-        keep = in_recomputation()
+        keep = in_recomputed_part()
         with torch.cuda.device(q.device):
             o, finals, g_cum, Aqk, Akk, inits, kept = kda_round_fwd(q, k, v, g, beta, scale, initial_state, rnd, keep)
         starts = [x for x in inits if x is not None]

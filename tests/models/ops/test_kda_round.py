@@ -140,14 +140,14 @@ def test_fla_round_refuses_what_fla_cannot_run(planned, runs, head_dim, message)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
-@pytest.mark.parametrize("recomputing", [False, True], ids=["forward", "recomputation"])
+@pytest.mark.parametrize("recomputing", [False, True], ids=["kept layer", "recomputed layer"])
 @pytest.mark.parametrize("own_kernels", [True, False], ids=["in place", "dispatched"])
 @pytest.mark.parametrize("zero_start", [False, True])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
 def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels, recomputing, monkeypatch):
     """Also with the recurrences through fla's dispatched wrappers, as where another fla backend is active
     (`models.ops.kda.recurrence`), and in a layer's recomputation, where both paths keep what their backward
-    would compute again (`models.recompute.in_recomputation`): the same bits as when they recompute it."""
+    would compute again (`models.recompute.in_recomputed_part`): the same bits as when they recompute it."""
     from models.ops.kda import chunk, recurrence, round as kda_round
 
     monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
@@ -172,7 +172,7 @@ def test_fla_round_matches_call_by_call_bitwise(pieces, zero_start, own_kernels,
 
     o_ref, finals_ref, grads_ref = run(fused=False)
     for module in (chunk, kda_round):
-        monkeypatch.setattr(module, "in_recomputation", lambda: recomputing)
+        monkeypatch.setattr(module, "in_recomputed_part", lambda: recomputing)
     o, finals, grads = run(fused=True)
     o_kept, finals_kept, grads_kept = run(fused=False)
     assert finals.shape == (rnd.final_bounds[-1], 16, 128, 128)
