@@ -86,17 +86,16 @@ class LinearAttention(nn.Module):
             output_final_state: also return each sequence's last inputs `[N, C, W]`.
         Returns: ((q `[T, C_q]`, k `[T, C_k]`, v `[T, C_v]`), final state or None).
         """
-        outputs, finals, start = [], [], 0
-        for width in self.conv_groups():
-            part = slice(start, start + width)
-            y, final = short_conv(
-                qkv_TC[None, :, part], self.conv1d.weight[part, 0, :], bias=None,
-                initial_state=None if initial_state is None else initial_state[:, part],
-                output_final_state=output_final_state, activation="silu", cu_seqlens=cu_seqlens,
-            )
+        groups = self.conv_groups()
+        # One split each (not slices): the gradients of the three parts meet in one concatenation in backward.
+        parts = zip(qkv_TC.split(groups, dim=-1), self.conv1d.weight[:, 0, :].split(groups),
+                    initial_state.split(groups, dim=1) if initial_state is not None else [None] * len(groups))
+        outputs, finals = [], []
+        for x_TC, weight, state in parts:
+            y, final = short_conv(x_TC[None], weight, bias=None, initial_state=state,
+                                  output_final_state=output_final_state, activation="silu", cu_seqlens=cu_seqlens)
             outputs.append(y[0])
             finals.append(final)
-            start += width
         return tuple(outputs), torch.cat(finals, dim=1) if output_final_state else None
 
     def core(
