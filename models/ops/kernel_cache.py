@@ -94,10 +94,20 @@ def use_kernel_cache(folder: str | Path | None, default: str | Path | None, sett
     chosen.mkdir(parents=True, exist_ok=True)
     os.environ[TRITON_CACHE_ENV] = _set_here = str(chosen)
     _share_with_fa4(chosen)
+    return KernelCache(chosen, source, cache_entries(chosen), _tuned_configs())
+
+
+def _tuned_configs() -> str:
+    """`use_tuned_configs` for the GPU this process runs on: torchrun's LOCAL_RANK (`parallel.launch` sets that device
+    later; naming it here, not the current device 0, keeps every rank off GPU 0), else the current one. "" without
+    a GPU or for a LOCAL_RANK beyond the visible GPUs (`parallel.launch` says so)."""
     import torch
 
-    tuned = use_tuned_configs(torch.cuda.get_device_name()) if torch.cuda.is_available() else ""
-    return KernelCache(chosen, source, cache_entries(chosen), tuned)
+    if not torch.cuda.is_available():
+        return ""
+    local_rank = os.environ.get("LOCAL_RANK")
+    index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+    return use_tuned_configs(torch.cuda.get_device_name(index)) if index < torch.cuda.device_count() else ""
 
 
 def _share_with_fa4(folder: Path) -> None:

@@ -76,3 +76,23 @@ def test_flash_attn_4_keeps_its_kernels_in_the_folder_unless_the_user_chose_its_
     monkeypatch.setenv(FA4_CACHE_ON_ENV, "0")
     use_kernel_cache(tmp_path / "kc3", None, "train.kernel_cache")
     assert os.environ[FA4_CACHE_ENV] == str(tmp_path / "users") and os.environ[FA4_CACHE_ON_ENV] == "0"
+
+
+@pytest.mark.parametrize("local_rank, named", [(None, 0), ("1", 1), ("4", None)])
+def test_tuned_configs_of_the_gpu_this_rank_runs_on(local_rank, named, monkeypatch):
+    """The tuned configs are those of torchrun's LOCAL_RANK device (every rank naming the current device 0 would
+    open a context on GPU 0 from each), else the current device; none for a LOCAL_RANK beyond the visible GPUs."""
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: asked.append(index) or f"GPU {index}")
+    monkeypatch.setattr(kernel_cache, "use_tuned_configs", lambda name: f"configs of {name}")
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert kernel_cache._tuned_configs() == ("" if named is None else f"configs of GPU {named}")
+    assert asked == ([] if named is None else [named])
