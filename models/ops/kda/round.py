@@ -13,8 +13,8 @@ every piece as its own packed sequence. The recurrences run per call, in order f
 piece's final-state gradient plus the initial-state gradient of its continuation as `dht`, writing their chunk states
 and values into the round's buffers in place (`models.ops.kda.recurrence`: no per-call output is concatenated). Each
 kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the results are the same,
-bit for bit (measured on the H200 with concatenated per-call outputs: `tests/models/ops/test_kda_round.py`; the
-in-place writes are not run on a GPU yet). In a layer that backward recomputes
+bit for bit (`tests/models/ops/test_kda_round.py` on the H200, the in-place writes and the dispatched wrappers
+alike, bench/RESULTS.md session 17). In a layer that backward recomputes
 (`models.recompute.in_recomputed_part`) the forward saves the WY factors, gated q/k, chunk states and new values
 (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward runs neither `recompute_w_u_fwd` nor the forward
 recurrence again.
