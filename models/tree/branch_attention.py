@@ -97,6 +97,18 @@ def _views(g: BranchGroup, k_CGK: torch.Tensor, v_CGW: torch.Tensor, kv_index: t
         return k_CGK[view], v_CGW[view]
 
 
+def _gather_sources(k_CGK: torch.Tensor, v_CGW: torch.Tensor, groups: list[BranchGroup]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the views' gathers read them: contiguous when some group gathers. torch's row gather takes its
+    vectorised kernel only for rows that are contiguous; MLA's values are a strided slice of `kv_b_proj`'s output, and
+    their view gathers took the generic index kernel (with FlashAttention-4, which reads V = 128 unpadded: 61.6 ms of a
+    65k-row SWE microbatch of ling-3-tiny on the H200, against 20.9 ms for the larger keys' gathers). One copy of the
+    compact rows per pass costs much less than that."""
+    if all(g.own_rows for g in groups):
+        return k_CGK, v_CGW
+    return k_CGK.contiguous(), v_CGW.contiguous()
+
+
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
@@ -104,11 +116,12 @@ class _BranchAttention(torch.autograd.Function):
         # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
         # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
         V = v_CGV.shape[-1]
-        v_CGW = pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK, v_CGV) else v_CGV
+        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK, v_CGV) else v_CGV,
+                                       groups)
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
-            k_view, v_view = _views(g, k_CGK, v_CGW, kv_index)
+            k_view, v_view = _views(g, k_src, v_CGW, kv_index)
             with region("branch view attention"):
                 out_CHW[g.rows], lse = forward_kernel(
                     q_CHK[g.rows], k_view, v_view, g.cu_q, g.cu_kv, g.max_q, g.max_kv, scale
@@ -122,10 +135,11 @@ class _BranchAttention(torch.autograd.Function):
     def backward(ctx, dout_CHV):
         q_CHK, k_CGK, v_CGV, kv_index, out_CHW, *lses = ctx.saved_tensors
         V, W = v_CGV.shape[-1], out_CHW.shape[-1]
-        v_CGW, dout_CHW = pad_to(v_CGV, W), pad_to(dout_CHV, W).contiguous()
+        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, W), ctx.groups)
+        dout_CHW = pad_to(dout_CHV, W).contiguous()
         dq, dk, dv = torch.empty_like(q_CHK), torch.zeros_like(k_CGK), torch.zeros_like(v_CGV)
         for g, lse in zip(ctx.groups, lses):
-            k_view, v_view = _views(g, k_CGK, v_CGW, kv_index)
+            k_view, v_view = _views(g, k_src, v_CGW, kv_index)
             with region("branch view attention backward"):
                 dq[g.rows], dk_view, dv_view = ctx.backward_kernel(
                     dout_CHW[g.rows], q_CHK[g.rows], k_view, v_view, out_CHW[g.rows], lse,
