@@ -11,10 +11,11 @@ branches run in consecutive groups whose views hold at most `max(C, longest view
 compact q/k/v, the output and the log-sum-exp, and the backward gathers each group's views again, runs the kernel's
 backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one group's views and their gradients.
 
-The scatter is `index_put_(accumulate=True)`, not `index_add_`: a trunk row is in every view of its group, and
-index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE microbatch, 25 ms sorted);
-the sorted accumulate sums a row's contributions in one pass in a fixed order, so dk/dv are also deterministic and
-rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: every group of a flat
+The scatter is a segment sum planned on the host (`models.ops.segment_sum`, `BranchGroup.sums`): a trunk row is in
+every view of its group, and index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE
+microbatch, 25 ms sorted), while `index_put_(accumulate=True)` sorts the index on the device in every layer's
+backward (50 ms of that microbatch with FlashAttention-4, session 18). The segment sum adds a row's contributions in
+one pass in a fixed order, so dk/dv are deterministic and rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: every group of a flat
 expansion, and a group that happens to hold only tree roots' first branches) reads its rows of k and v in place and
 adds their gradients, as flat attention would.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.ops.segment_sum import SegmentPlan, add_segment_sums
 from models.ops.varlen_attention import pads_values, varlen_kernels
 from models.ops.varlen_attention.kernel_args import pad_to
 from models.tree.device_copy import device_views
@@ -44,6 +46,8 @@ class BranchGroup:
     own_rows: no branch of the group has ancestors, so its views are its query rows in order: the kernels read those
     rows of k and v in place and their gradients are added to them, with no gather and no scatter-add (every group
     of a flat expansion).
+    sums: for a group that gathers, the order in which its view rows' dk/dv add to the compact rows (None for
+    `own_rows`).
     """
 
     rows: slice
@@ -53,25 +57,29 @@ class BranchGroup:
     max_q: int
     max_kv: int
     own_rows: bool = False
+    sums: SegmentPlan | None = None
 
     def to(self, device) -> "BranchGroup":
         return BranchGroup(self.rows, self.kv, self.cu_q.to(device), self.cu_kv.to(device), self.max_q, self.max_kv,
-                           self.own_rows)
+                           self.own_rows, None if self.sums is None else self.sums.to(device))
 
 
-def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, device=None) -> list[BranchGroup]:
+def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, kv_index: np.ndarray,
+                  device=None) -> list[BranchGroup]:
     """Split branches (queries `cu_q`, views `cu_kv`, both [N+1] on the host) into consecutive groups whose views hold
-    at most `max_view_rows` rows (a longer single view forms a group of its own).
+    at most `max_view_rows` rows (a longer single view forms a group of its own); `kv_index` [A] is the layout's
+    views on the host, from which each gathering group's gradient sums are planned.
 
     The layout's contract (`models.tree.layout`, `models.tree.carry_layout`): branch n's view in `kv_index` is its
     ancestors, then `arange(cu_q[n], cu_q[n+1])`, its own physical rows; so a group whose view offsets equal its
     query offsets (no ancestors) has its own query rows as its view (`own_rows`)."""
-    groups, n, N = [], 0, cu_q.size - 1
+    groups, plans, n, N = [], [], 0, cu_q.size - 1
     while n < N:
         m = n + 1
         while m < N and cu_kv[m + 1] - cu_kv[n] <= max_view_rows:
             m += 1
         q_off, kv_off = cu_q[n : m + 1] - cu_q[n], cu_kv[n : m + 1] - cu_kv[n]
+        own_rows = bool(np.array_equal(q_off, kv_off))
         groups.append(BranchGroup(
             rows=slice(int(cu_q[n]), int(cu_q[m])),
             kv=slice(int(cu_kv[n]), int(cu_kv[m])),
@@ -79,11 +87,16 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, devic
             cu_kv=torch.as_tensor(kv_off, dtype=torch.int32),
             max_q=int(np.diff(q_off).max()),
             max_kv=int(np.diff(kv_off).max()),
-            own_rows=bool(np.array_equal(q_off, kv_off)),
+            own_rows=own_rows,
         ))
+        plans.append(None if own_rows else [torch.as_tensor(a) for a in
+                                            SegmentPlan.host_arrays(kv_index[int(cu_kv[n]) : int(cu_kv[m])])])
         n = m
-    moved = iter(device_views([t for g in groups for t in (g.cu_q, g.cu_kv)], device))
-    return [dataclasses.replace(g, cu_q=next(moved), cu_kv=next(moved)) for g in groups]
+    host = [t for g, p in zip(groups, plans) for t in (g.cu_q, g.cu_kv, *(p or ()))]
+    moved = iter(device_views(host, device))
+    return [dataclasses.replace(g, cu_q=next(moved), cu_kv=next(moved),
+                                sums=None if p is None else SegmentPlan(next(moved), next(moved), next(moved)))
+            for g, p in zip(groups, plans)]
 
 
 def _views(g: BranchGroup, k_CGK: torch.Tensor, v_CGW: torch.Tensor, kv_index: torch.Tensor
@@ -150,9 +163,8 @@ class _BranchAttention(torch.autograd.Function):
                 dv[g.rows] += dv_view[..., :V]
                 continue
             with region("branch view scatter-add"):
-                view = kv_index[g.kv]
-                dk.index_put_((view,), dk_view, accumulate=True)
-                dv.index_put_((view,), dv_view[..., :V], accumulate=True)
+                add_segment_sums(dk, dk_view, g.sums)
+                add_segment_sums(dv, dv_view[..., :V], g.sums)
         return dq, dk, dv, None, None, None
 
 

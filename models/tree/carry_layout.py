@@ -247,10 +247,11 @@ def _attention_layout(rows: _Rows, plan: ExecutionPlan, device) -> TreeAttention
         views.append(np.arange(cu[n], cu[n + 1]))
         kv_lengths.append(anc.size + cu[n + 1] - cu[n])
     as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+    kv_index = np.concatenate(views) if views else np.zeros(0, np.int64)
     return TreeAttentionLayout(
         pre=as_t(pre), pre_end=as_t(pre_end),
-        kv_index=as_t(np.concatenate(views) if views else np.zeros(0, np.int64)),
-        groups=branch_groups(cu, offsets(kv_lengths), C + int(lengths.sum()), device),
+        kv_index=as_t(kv_index),
+        groups=branch_groups(cu, offsets(kv_lengths), C + int(lengths.sum()), kv_index, device),
         context_rows=int(lengths.sum()),
     )
 

@@ -64,11 +64,12 @@ def build_attention_layout(
         kv_lengths.append(anc.size + cu[n + 1] - cu[n])
     cu_kv = offsets(kv_lengths)
     as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+    kv_index = np.concatenate(views) if views else np.zeros(0, np.int64)
     return TreeAttentionLayout(
         pre=as_t(physical_to_compact),
         pre_end=as_t(batch.subtree_end[physical_to_compact]),
-        kv_index=as_t(np.concatenate(views) if views else np.zeros(0, np.int64)),
-        groups=branch_groups(cu, cu_kv, max_view_rows or physical_to_compact.size, device),
+        kv_index=as_t(kv_index),
+        groups=branch_groups(cu, cu_kv, max_view_rows or physical_to_compact.size, kv_index, device),
     )
 
 
