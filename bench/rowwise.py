@@ -9,10 +9,7 @@ head (`rms_norm head`, gated-attention presets: q/k norm); `swiglu` of the dense
 top-k pairs, the two halves of the gate|up product read in place) and of the shared expert; `sigmoid_gate` of the
 gated attention output (gated-attention presets); `kda_decay`, KDA's per-channel decay gate (KDA presets); `l2_norm`,
 the linear-attention q/k norm on the k heads of a q|k|v conv output (read in place); `moe_combine`, the weighted
-sum of each row's top-k expert rows (MoE presets); `short_conv flat` and `short_conv tree`, the linear attention's
-conv of one q/k/v group (a column slice of the projection output) over sequences of 4,096 rows, and over segments of
-1-300 rows each with an initial state as tree execution runs it: for these two the reference column is fla's
-`causal_conv1d` (the fast path the own kernels replaced), not the plain-torch reference. Each row: the reference and fused times in ms (medians over
+sum of each row's top-k expert rows (MoE presets). Each row: the reference and fused times in ms (medians over
 `--iters` after two warm-ups, `bench.layers.timed`), their ratio reference / fused, and the fused path's relative
 error against the reference. Backward runs from a fixed random output gradient.
 """
@@ -91,7 +88,6 @@ def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Ca
             return lambda qkv: impl(qkv[:, H * K : 2 * H * K].view(-1, H, K))
 
         out.append(("l2_norm", k_heads(naive_l2_norm), k_heads(fused_l2_norm), [randn(rows, 2 * H * K + V)]))
-        out.extend(short_conv_cases(rows, H * K, config.conv_size, g))
     if "dense" in config.ffn_types:
         F_ = config.dense_ffn.intermediate_size
         out.append(("swiglu dense", glu_halves(naive_swiglu), glu_halves(fused_swiglu), [randn(rows, 2 * F_)]))
@@ -109,38 +105,6 @@ def cases(config: models.ModelConfig, rows: int) -> list[tuple[str, Callable, Ca
 
         out.append(("moe_combine", combine(naive_moe_combine), combine(fused_moe_combine),
                     [randn(rows * m.top_k, D), torch.rand(rows, m.top_k, generator=g, device="cuda")]))
-    return out
-
-
-def short_conv_cases(rows: int, D: int, W: int, g: torch.Generator) -> list:
-    """(name, fla, own, inputs) for the conv of one D-channel group: flat (4,096-row sequences, no state) and tree
-    (segments of 1-300 rows, each with a transposed initial state as `models.tree.mixers.conv_initial_state`)."""
-    from fla.modules.causal_conv1d import causal_conv1d as fla_conv
-
-    from models.ops.conv.fused import causal_conv1d
-
-    out = []
-    for name, lengths in (("short_conv flat", None), ("short_conv tree", torch.randint(
-            1, 300, (rows // 150,), generator=g, device="cuda"))):
-        if lengths is None:
-            lengths = torch.full((rows // 4096,), 4096, device="cuda")
-        lengths = lengths[: int((lengths.cumsum(0) <= rows).sum())]
-        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        T, N = int(cu[-1]), lengths.numel()
-        x = (torch.randn(T, 3 * D, generator=g, device="cuda").bfloat16())[:, D : 2 * D]
-        w = (0.5 * torch.randn(D, W, generator=g, device="cuda")).bfloat16()
-        inputs = [x, w]
-        if name.endswith("tree"):
-            inputs.append(torch.randn(N, W, D, generator=g, device="cuda").bfloat16().transpose(1, 2))
-
-        def fla(x_, w_, h_=None, cu=cu):
-            return fla_conv(x_[None], weight=w_, initial_state=h_, activation="silu", backend="triton",
-                            cu_seqlens=cu)[0][0]
-
-        def own(x_, w_, h_=None, cu=cu):
-            return causal_conv1d(x_[None], w_, None, h_, False, "silu", cu)[0][0]
-
-        out.append((name, fla, own, inputs))
     return out
 
 

@@ -1,5 +1,4 @@
-"""Short causal convolution: `short_conv` runs the Triton kernels of `models.ops.conv.fused` on CUDA (fla's
-`causal_conv1d` when a final state is asked for) and `naive_causal_conv1d` otherwise."""
+"""Short causal convolution: `short_conv` runs fla's `causal_conv1d` on CUDA and `naive_causal_conv1d` otherwise."""
 
 from models.ops.conv.fused import causal_conv1d
 from models.ops.conv.naive import naive_causal_conv1d
