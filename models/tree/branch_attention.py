@@ -14,7 +14,7 @@ backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one gr
 The scatter is a segment sum planned on the host (`models.ops.segment_sum`, `BranchGroup.sums`): a trunk row is in
 every view of its group, and index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE
 microbatch, 25 ms sorted), while `index_put_(accumulate=True)` sorts the index on the device in every layer's
-backward (50 ms of that microbatch with FlashAttention-4, session 18). The segment sum adds a row's contributions in
+backward (28 ms of that microbatch with FlashAttention-4, 14 ms as a segment sum; session 18). The segment sum adds a row's contributions in
 one pass in a fixed order, so dk/dv are deterministic and rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: every group of a flat
 expansion, and a group that happens to hold only tree roots' first branches) reads its rows of k and v in place and
 adds their gradients, as flat attention would.
