@@ -11,8 +11,10 @@ Times are in microseconds of the profiler's clock (host events and device activi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 from torch.autograd import DeviceType
 
 from bench.ceiling import is_device_work
@@ -45,13 +47,27 @@ class IdleTime:
     gaps: list[Gap]
 
     def describe(self, top: int = 5) -> str:
+        """The totals, the `top` longest gaps, and the gaps' time summed by the host op at their end (the launch that
+        ended them) and at their start (what the host was in when the device ran dry), `top` each."""
         counted = sum(g.seconds for g in self.gaps)
         lines = [f"device idle {self.seconds:.3f} s: {self.leading_s:.3f} s before the first kernel, "
                  f"{len(self.gaps)} gaps after it hold {counted:.3f} s"]
         for g in self.gaps[:top]:
             lines.append(f"  {g.seconds * 1e3:8.2f} ms at +{g.start_us / 1e6:.3f} s: host in {g.host_at_start}, "
                          f"until {g.host_at_end}")
+        for title, key in (("end", "host_at_end"), ("start", "host_at_start")):
+            lines.append(f"  gaps by the host op at their {title} (ms, gaps):")
+            lines.extend(f"  {ms:8.2f} {n:5d}  {name}" for name, ms, n in self.summed_by(key)[:top])
         return "\n".join(lines)
+
+    def summed_by(self, key: str) -> list[tuple[str, float, int]]:
+        """(host op, milliseconds, gaps) of the gaps grouped by `key` ("host_at_end" or "host_at_start"), most
+        time first."""
+        total, count = defaultdict(float), defaultdict(int)
+        for g in self.gaps:
+            total[getattr(g, key)] += g.seconds * 1e3
+            count[getattr(g, key)] += 1
+        return sorted(((name, ms, count[name]) for name, ms in total.items()), key=lambda row: -row[1])
 
 
 def _union(intervals: Sequence[Interval]) -> list[Interval]:
@@ -64,23 +80,30 @@ def _union(intervals: Sequence[Interval]) -> list[Interval]:
     return [(s, e) for s, e in merged]
 
 
-def _host_ops_at(t: float, host_ops: Sequence[tuple[float, float, str]]) -> str:
-    """`outermost / innermost` of the host ops whose interval holds t, "-" when none does."""
-    holding = [(start, end, name) for start, end, name in host_ops if start <= t < end]
-    if not holding:
-        return "-"
-    outer = min(holding, key=lambda op: (op[0], -op[1]))[2]
-    inner = max(holding, key=lambda op: (op[0], -op[1]))[2]
-    return outer if outer == inner else f"{outer} / {inner}"
+def _host_ops_at(times: np.ndarray, host_ops: Sequence[tuple[float, float, str]]) -> list[str]:
+    """For each time t, `outermost / innermost` of the host ops whose interval holds t, "-" when none does."""
+    if not host_ops:
+        return ["-"] * len(times)
+    start = np.array([op[0] for op in host_ops])
+    end = np.array([op[1] for op in host_ops])
+    names = []
+    for t in times:
+        holding = np.flatnonzero((start <= t) & (t < end))
+        if not holding.size:
+            names.append("-")
+            continue
+        by_start = holding[np.lexsort((-end[holding], start[holding]))]  # earliest start first, longest first on ties
+        outer, inner = host_ops[by_start[0]][2], host_ops[by_start[-1]][2]
+        names.append(outer if outer == inner else f"{outer} / {inner}")
+    return names
 
 
 def device_idle(device: Sequence[Interval], host_ops: Sequence[tuple[float, float, str]], window: Interval,
-                min_gap_us: float = 100.0, named: int = 10) -> IdleTime:
+                min_gap_us: float = 100.0) -> IdleTime:
     """Idle device time within `window` given the device activities' intervals and the host ops' (start, end, name).
 
-    The gaps listed are those after the first device activity of at least `min_gap_us`, longest first; the host ops
-    are named for the `named` longest (a step's profile holds 10^5 events). `seconds` counts all idle time, shorter
-    gaps and the leading one included."""
+    The gaps listed are those after the first device activity of at least `min_gap_us`, longest first, each with
+    the host ops at its ends. `seconds` counts all idle time, shorter gaps and the leading one included."""
     t0, t1 = window
     busy = [(max(s, t0), min(e, t1)) for s, e in _union(device) if e > t0 and s < t1]
     if not busy:
@@ -88,9 +111,9 @@ def device_idle(device: Sequence[Interval], host_ops: Sequence[tuple[float, floa
     idle = (t1 - t0) - sum(e - s for s, e in busy)
     spans = sorted(((prev_end, start) for (_, prev_end), (start, _) in zip(busy, busy[1:])
                     if start - prev_end >= min_gap_us), key=lambda span: span[0] - span[1])
-    gaps = [Gap(s - t0, (e - s) / 1e6, *((_host_ops_at(s, host_ops), _host_ops_at(e, host_ops)) if k < named
-                                         else ("?", "?")))
-            for k, (s, e) in enumerate(spans)]
+    at_start = _host_ops_at(np.array([s for s, _ in spans]), host_ops)
+    at_end = _host_ops_at(np.array([e for _, e in spans]), host_ops)
+    gaps = [Gap(s - t0, (e - s) / 1e6, a, b) for (s, e), a, b in zip(spans, at_start, at_end)]
     return IdleTime(idle / 1e6, (busy[0][0] - t0) / 1e6, gaps)
 
 

@@ -41,11 +41,15 @@ def test_a_window_without_device_work_is_all_idle():
     assert (idle.seconds, idle.leading_s, idle.gaps) == (pytest.approx(5e-3), pytest.approx(5e-3), [])
 
 
-def test_only_the_longest_gaps_are_looked_up():
-    kernels = [(0.0, 100.0), (300.0, 400.0), (1400.0, 1500.0)]
-    gaps = device_idle(kernels, HOST, (0.0, 1500.0), named=1).gaps
-    assert [g.seconds for g in gaps] == [pytest.approx(1e-3), pytest.approx(2e-4)]
-    assert (gaps[0].host_at_start, gaps[1].host_at_start, gaps[1].host_at_end) == ("step", "?", "?")
+def test_every_gap_is_named_and_summed_by_its_host_ops():
+    kernels = [(0.0, 100.0), (300.0, 400.0), (1300.0, 1500.0), (3050.0, 3200.0)]
+    idle = device_idle(kernels, HOST, (0.0, 3200.0))
+    assert [(g.seconds, g.host_at_start, g.host_at_end) for g in idle.gaps] == [
+        (pytest.approx(1.55e-3), "step", "step / aten::mm"), (pytest.approx(0.9e-3), "step", "step / aten::item"),
+        (pytest.approx(2e-4), "step", "step")]
+    assert idle.summed_by("host_at_start") == [("step", pytest.approx(2.65), 3)]
+    assert [name for name, _, _ in idle.summed_by("host_at_end")] == ["step / aten::mm", "step / aten::item", "step"]
+    assert "gaps by the host op at their end" in idle.describe()
 
 
 def event(name, start, end, device=DeviceType.CUDA):
