@@ -25,6 +25,7 @@ from torch import nn
 
 from models.dtypes import upcast
 from models.ops import short_conv
+from models.ops.conv.recomputed_rows import RecomputedRows, conv_recomputed_rows
 from models.ops.dispatch import use_fla
 
 if TYPE_CHECKING:
@@ -97,6 +98,18 @@ class LinearAttention(nn.Module):
             outputs.append(y[0])
             finals.append(final)
         return tuple(outputs), torch.cat(finals, dim=1) if output_final_state else None
+
+    def conv_restarted(
+        self, qkv_TC: torch.Tensor, cu_seqlens: torch.Tensor, fix: RecomputedRows | None,
+        extra_RC: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 2 for sequences whose history lies elsewhere (tree execution): every sequence convolved from zeros,
+        then the rows `fix` names recomputed from their history, rows of `[qkv; extra]`
+        (`models.ops.conv.recomputed_rows`). Returns (q, k, v) as `conv`; with `fix` None, `conv` from zeros."""
+        if fix is None:
+            return self.conv(qkv_TC, cu_seqlens)[0]
+        return conv_recomputed_rows(qkv_TC, extra_RC, self.conv1d.weight[:, 0, :], self.conv_groups(), cu_seqlens,
+                                    fix)
 
     def core(
         self,

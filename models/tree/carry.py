@@ -34,7 +34,7 @@ from models.linear_attention import CoreInputs, LinearAttention
 from models.mla import MLA
 from models.tree.attention import tree_attention
 from models.tree.carry_layout import CarryLinks, Index
-from models.tree.mixers import TreeContext, conv_initial_state, linear_attention_states
+from models.tree.mixers import TreeContext, linear_attention_states
 from models.tree.regions import region
 
 __all__ = ["NAMES", "LATENT_NAMES", "carried_names", "CarryTraffic", "CarryContext", "CarryExchange"]
@@ -125,8 +125,8 @@ class CarryContext(TreeContext):
     def _linear(self, mixer: LinearAttention, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = self.layout
         rows = mixer.project(h_CD)
-        init = conv_initial_state(_cat(rows.qkv, self.read(mixer, "conv"), "conv"), layout.conv_context)
-        qkv, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
+        carried = self.read(mixer, "conv")
+        qkv = mixer.conv_restarted(rows.qkv, layout.seq_cu, layout.conv_fix, carried["conv"] if carried else None)
         inputs = mixer.activate(rows, qkv)
         replay = self.read(mixer, "replay")
         core_inputs = CoreInputs(*(_cat(getattr(inputs, n), replay, n) for n in NAMES["replay"]))

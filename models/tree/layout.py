@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.ops.conv.recomputed_rows import RecomputedRows
 from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
@@ -229,7 +230,10 @@ class TreeLayout:
     tokens, positions [C]: token id and original position of each physical row.
     row_weight [C]: multiplicity q of each row (MoE statistics weights).
     seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
-    conv_context [N, W-1]: physical rows preceding each sequence on its path (oldest first), -1 = none.
+    conv_fix: the rows whose conv window reaches before their sequence's start, recomputed from the W-1 rows
+        preceding the sequence on its path (`conv_context_rows`; carry: also carried rows after the C own ones), the
+        sequences otherwise convolved from zeros as flat packing does (`models.ops.conv.recomputed_rows`); None when
+        no sequence has a predecessor.
     linear_rounds: the linear-attention kernel calls in order, by round.
     linear_gather, linear_round_rows: the physical rows fed to all calls, call after call (None: all rows in order;
         a slice when contiguous), and each round's number of them: one gather and one split per input, so backward
@@ -244,7 +248,7 @@ class TreeLayout:
     positions: torch.Tensor
     row_weight: torch.Tensor
     seq_cu: torch.Tensor
-    conv_context: torch.Tensor
+    conv_fix: RecomputedRows | None
     linear_rounds: list[CoreRound]
     linear_gather: RowGather | slice | None
     linear_round_rows: list[int]
@@ -291,7 +295,7 @@ class TreeLayout:
             positions=as_t(positions),
             row_weight=torch.as_tensor(multiplicity, dtype=torch.float64, device=device),
             seq_cu=as_t(plan.seq_row_offsets),
-            conv_context=as_t(conv_context),
+            conv_fix=RecomputedRows.build(plan.seq_row_offsets, conv_context, device),
             linear_rounds=rounds,
             linear_gather=row_reader(gather, tokens.size + carried_replay_rows, device),
             linear_round_rows=[sum(r.call_rows) for r in rounds],

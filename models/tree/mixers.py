@@ -6,8 +6,8 @@ HV value heads, K/V head dims.
 A mixer's row-wise steps (projections, norms, activations, output projection) run once per compact row. What couples
 rows follows the tree:
 - full attention: a row sees its path ancestors and itself (`models.tree.attention`), RoPE at original positions;
-- the short conv: each input sequence starts from the W-1 rows preceding it on its own path (never a packing
-  neighbour), gathered as the conv's initial state;
+- the short conv: each input sequence sees the W-1 rows preceding it on its own path (never a packing neighbour):
+  its first W-1 rows are recomputed from them after a convolution from zeros (`models.ops.conv.recomputed_rows`);
 - the linear-attention core: the plan's rounds as kernel calls (`models.tree.core_calls`); side branches start from
   chunk-boundary states produced by earlier calls and replay [floor(p/B)*B, p) of already-activated ancestor rows
   (state updates only); the states are tensors in the graph, so every consumer's gradient reaches their producer.
@@ -29,14 +29,7 @@ from models.tree.layout import TreeLayout
 from models.tree.row_gather import RowGather
 
 __all__ = ["TreeContext", "linear_attention_rounds", "linear_attention_states", "tree_linear_mixer",
-           "tree_attention_mixer", "read_rows", "conv_initial_state"]
-
-
-def conv_initial_state(x_CX: torch.Tensor, context_NW: torch.Tensor) -> torch.Tensor:
-    """fla conv state [N, X, W]: slot 0 padding, slots 1..W-1 the context rows oldest first (zeros where -1).
-    Reads only the N x (W-1) context rows (no padded copy of x)."""
-    ctx_NWX = torch.where((context_NW >= 0)[..., None], x_CX[context_NW.clamp(min=0)], 0.0)
-    return torch.cat([x_CX.new_zeros(ctx_NWX.shape[0], 1, x_CX.shape[1]), ctx_NWX], dim=1).transpose(1, 2)
+           "tree_attention_mixer", "read_rows"]
 
 
 def read_rows(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
@@ -83,8 +76,7 @@ def linear_attention_states(
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
     rows = mixer.project(h_CD)
-    init = conv_initial_state(rows.qkv, layout.conv_context)
-    qkv, _ = mixer.conv(rows.qkv, layout.seq_cu, initial_state=init)
+    qkv = mixer.conv_restarted(rows.qkv, layout.seq_cu, layout.conv_fix)
     o = linear_attention_rounds(mixer, mixer.activate(rows, qkv), layout)
     return mixer.output(o, rows)
 
