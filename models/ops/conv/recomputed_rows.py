@@ -39,11 +39,16 @@ class RecomputedRows:
     """Which rows a restarted convolution recomputes and from what (int64 index tensors on one device).
 
     rows [S]: rows of `[x; extra]` each recomputing sequence reads: its valid history rows, oldest first, then its
-    own first rows. cu_seqlens [M+1] (and `cu_seqlens_cpu`): those sequences. keep [F]: positions among the S rows of
-    the recomputed rows; target [F]: their rows of x.
+    own first rows; own_pos / own_rows: the positions among the S rows that read x, and those rows of x; extra_pos /
+    extra_rows: the others, and the rows of extra they read. cu_seqlens [M+1] (and `cu_seqlens_cpu`): those
+    sequences. keep [F]: positions among the S rows of the recomputed rows; target [F]: their rows of x.
     """
 
     rows: torch.Tensor
+    own_pos: torch.Tensor
+    own_rows: torch.Tensor
+    extra_pos: torch.Tensor
+    extra_rows: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     keep: torch.Tensor
@@ -51,9 +56,9 @@ class RecomputedRows:
 
     @staticmethod
     def build(cu_seqlens: np.ndarray, history: np.ndarray, device=None) -> "RecomputedRows | None":
-        """From the packing's sequences `cu_seqlens` [N+1] and each sequence's history `[N, W-1]` (rows of
-        `[x; extra]` preceding its first row, oldest first, -1 = none: a missing row is zeros). None when no sequence
-        has history (a flat packing): the restarted convolution alone is exact."""
+        """From the packing's sequences `cu_seqlens` [N+1] over the C rows of x and each sequence's history
+        `[N, W-1]` (rows of `[x; extra]` preceding its first row, oldest first, -1 = none: a missing row is zeros).
+        None when no sequence has history (a flat packing): the restarted convolution alone is exact."""
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         history = np.asarray(history, dtype=np.int64)
         rows, lengths, keep, target = [], [], [], []
@@ -70,15 +75,25 @@ class RecomputedRows:
             start += lengths[-1]
         if not rows:
             return None
-        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(np.concatenate(a)), dtype=torch.int64)  # noqa: E731
+        rows, C = np.concatenate(rows), int(cu[-1])
+        own_pos, extra_pos = np.flatnonzero(rows < C), np.flatnonzero(rows >= C)
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(device)  # noqa: E731
         cu_small = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-        return RecomputedRows(as_t(rows).to(device), cu_small.to(device), cu_small, as_t(keep).to(device),
-                              as_t(target).to(device))
+        return RecomputedRows(as_t(rows), as_t(own_pos), as_t(rows[own_pos]), as_t(extra_pos),
+                              as_t(rows[extra_pos] - C), cu_small.to(device), cu_small, as_t(np.concatenate(keep)),
+                              as_t(np.concatenate(target)))
 
 
-def _source_rows(x_CX: torch.Tensor, extra_RX: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """`[x; extra][rows]` -> `[S, X]`."""
-    return (x_CX if extra_RX is None else torch.cat([x_CX, extra_RX]))[rows]
+def _source_rows(x_CX: torch.Tensor, extra_RX: torch.Tensor | None, fix: RecomputedRows) -> torch.Tensor:
+    """`[x; extra][fix.rows]` -> `[S, X]`, without concatenating x and extra."""
+    if not fix.extra_pos.numel():
+        return x_CX[fix.rows]
+    if extra_RX is None:
+        raise ValueError("the recomputed rows read rows after x's: pass them as `extra`")
+    small_SX = x_CX.new_empty(fix.rows.shape[0], x_CX.shape[1])
+    small_SX[fix.own_pos] = x_CX[fix.own_rows]
+    small_SX[fix.extra_pos] = extra_RX[fix.extra_rows]
+    return small_SX
 
 
 def naive_conv_recomputed_rows(x_CX: torch.Tensor, extra_RX: torch.Tensor | None, weight_XW: torch.Tensor,
@@ -86,7 +101,7 @@ def naive_conv_recomputed_rows(x_CX: torch.Tensor, extra_RX: torch.Tensor | None
                                ) -> tuple[torch.Tensor, ...]:
     """Reference of `conv_recomputed_rows` (plain autograd over `naive_causal_conv1d`)."""
     outputs = []
-    small_SX = _source_rows(x_CX, extra_RX, fix.rows)
+    small_SX = _source_rows(x_CX, extra_RX, fix)
     for x_g, s_g, w_g in zip(x_CX.split(groups, dim=-1), small_SX.split(groups, dim=-1), weight_XW.split(groups)):
         y, _ = naive_causal_conv1d(x_g[None], w_g, activation="silu", cu_seqlens=cu_seqlens)
         y_small, _ = naive_causal_conv1d(s_g[None], w_g, activation="silu", cu_seqlens=fix.cu_seqlens)
@@ -102,7 +117,7 @@ class RecomputedRowsConv(torch.autograd.Function):
     def forward(ctx, x_CX, extra_RX, weight_XW, groups, cu_seqlens, fix):
         from fla.modules.causal_conv1d.ops import _has_non_standard_layout, causal_conv1d_fwd
 
-        small_SX = _source_rows(x_CX, extra_RX, fix.rows)
+        small_SX = _source_rows(x_CX, extra_RX, fix)
         outputs = []
         for x_g, s_g, w_g in zip(x_CX.split(groups, dim=-1), small_SX.split(groups, dim=-1), weight_XW.split(groups)):
             y, _ = causal_conv1d_fwd(x_g[None], w_g, None, None, activation="silu", cu_seqlens=cu_seqlens,
@@ -139,13 +154,11 @@ class RecomputedRowsConv(torch.autograd.Function):
             dw.append(dw_g + dws_g)
         dx_CX = torch.cat(dx, dim=-1)
         dsmall_SX = torch.cat(dsmall, dim=-1)
-        C = dx_CX.shape[0]
-        own = fix.rows < C
-        dx_CX.index_put_((fix.rows[own],), dsmall_SX[own], accumulate=True)
+        dx_CX.index_put_((fix.own_rows,), dsmall_SX[fix.own_pos], accumulate=True)
         dextra = None
         if ctx.extra_rows is not None:
             dextra = dx_CX.new_zeros(ctx.extra_rows, dx_CX.shape[1])
-            dextra.index_put_((fix.rows[~own] - C,), dsmall_SX[~own], accumulate=True)
+            dextra.index_put_((fix.extra_rows,), dsmall_SX[fix.extra_pos], accumulate=True)
         return dx_CX, dextra, torch.cat(dw), None, None, None
 
 

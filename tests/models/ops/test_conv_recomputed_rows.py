@@ -56,6 +56,8 @@ def test_build_recomputes_the_first_rows_of_sequences_with_history():
     assert fix.rows.tolist() == [2, 3, 4, 5, 6, 27, 28, 29, 16, 2, 3, 4, 17, 18, 19, 12, 20, 21, 22]
     assert fix.target.tolist() == [5, 6, 16, 17, 18, 19, 20, 21, 22]
     assert fix.rows[fix.keep].tolist() == fix.target.tolist()
+    assert fix.extra_pos.tolist() == [5, 6, 7] and fix.extra_rows.tolist() == [0, 1, 2]
+    assert fix.rows[fix.own_pos].tolist() == fix.own_rows.tolist() and fix.own_pos.numel() == 16
     assert RecomputedRows.build(cu, np.full((len(LENGTHS), W - 1), -1)) is None
 
 
