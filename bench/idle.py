@@ -10,8 +10,8 @@ Times are in microseconds of the profiler's clock (host events and device activi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,9 +111,8 @@ def device_idle(device: Sequence[Interval], host_ops: Sequence[tuple[float, floa
     idle = (t1 - t0) - sum(e - s for s, e in busy)
     spans = sorted(((prev_end, start) for (_, prev_end), (start, _) in zip(busy, busy[1:])
                     if start - prev_end >= min_gap_us), key=lambda span: span[0] - span[1])
-    at_start = _host_ops_at(np.array([s for s, _ in spans]), host_ops)
-    at_end = _host_ops_at(np.array([e for _, e in spans]), host_ops)
-    gaps = [Gap(s - t0, (e - s) / 1e6, a, b) for (s, e), a, b in zip(spans, at_start, at_end)]
+    names = _host_ops_at(np.array([s for s, _ in spans] + [e for _, e in spans]), host_ops)  # starts, then ends
+    gaps = [Gap(s - t0, (e - s) / 1e6, a, b) for (s, e), a, b in zip(spans, names[:len(spans)], names[len(spans):])]
     return IdleTime(idle / 1e6, (busy[0][0] - t0) / 1e6, gaps)
 
 
