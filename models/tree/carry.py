@@ -34,7 +34,7 @@ from models.linear_attention import CoreInputs, LinearAttention
 from models.mla import MLA
 from models.tree.attention import tree_attention
 from models.tree.carry_layout import CarryLinks, Index
-from models.tree.mixers import TreeContext, linear_attention_states
+from models.tree.mixers import TreeContext, linear_attention_states, read_rows
 from models.tree.regions import region
 
 __all__ = ["NAMES", "LATENT_NAMES", "carried_names", "CarryTraffic", "CarryContext", "CarryExchange"]
@@ -129,7 +129,8 @@ class CarryContext(TreeContext):
         qkv = mixer.conv_restarted(rows.qkv, layout.seq_cu, layout.conv_fix, carried["conv"] if carried else None)
         inputs = mixer.activate(rows, qkv)
         replay = self.read(mixer, "replay")
-        core_inputs = CoreInputs(*(_cat(getattr(inputs, n), replay, n) for n in NAMES["replay"]))
+        core_inputs = CoreInputs(*(read_rows(_cat(getattr(inputs, n), replay, n), layout.linear_gather)
+                                   for n in NAMES["replay"]))
         o, states = linear_attention_states(mixer, core_inputs, layout, self.read(mixer, "state").get("state"),
                                             self.exports.get("state"))
         exported = {**self._rows(inputs, "replay", NAMES["replay"])}
@@ -137,7 +138,7 @@ class CarryContext(TreeContext):
             exported["conv"] = _take(rows.qkv, self.exports["conv"])
         if states is not None:
             exported["state"] = states
-        return mixer.output(o, rows), exported
+        return mixer.output(read_rows(o, layout.linear_keep), rows), exported
 
 
 class CarryExchange:

@@ -363,7 +363,8 @@ def carry_layouts(
         scored, logit_row, target = _scored(rows, plan)
         layout = TreeLayout.assemble(
             plan, (calls, keep), cat("tokens"), cat("positions"), cat("multiplicity"),
-            _conv_context(rows, plan, conv_size, needs[m]["conv"]), _attention_layout(rows, plan, device),
+            (plan.seq_row_offsets, _conv_context(rows, plan, conv_size, needs[m]["conv"])),
+            _attention_layout(rows, plan, device),
             logit_row, target, device, carried_replay_rows=int(plan.external_context.size),
         )
         out.append(CarryLayout(rows.parts, layout, CarryLinks(exports, imports), plan, scored, rows.num_compact))

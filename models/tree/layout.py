@@ -75,26 +75,25 @@ def build_attention_layout(
 
 
 def conv_context_rows(
-    batch: CompactBatch, physical_to_compact: np.ndarray, compact_to_physical: np.ndarray, cu_seqlens: np.ndarray,
+    batch: CompactBatch, physical_to_compact: np.ndarray, compact_to_physical: np.ndarray, first_rows: np.ndarray,
     width: int,
 ) -> np.ndarray:
-    """[N, W-1] physical rows of the W-1 path predecessors of each branch's first row, oldest first; -1 = none.
+    """[N, W-1] physical rows of the W-1 path predecessors of N sequences' first rows, oldest first; -1 = none.
 
     physical_to_compact [C] and its inverse compact_to_physical [C] give the physical order, as in
-    `build_attention_layout`. A branch's short convolution reads these as its initial conv state, so its first rows
-    see their true ancestors and never a neighbour in the packing.
+    `build_attention_layout`; first_rows [N] are the physical rows the sequences start with. A sequence's short
+    convolution reads these as its history, so its first rows see their true ancestors and never a neighbour in the
+    packing.
     """
     physical_to_compact = np.asarray(physical_to_compact, dtype=np.int64)
     compact_to_physical = np.asarray(compact_to_physical, dtype=np.int64)
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    out = np.full((cu.size - 1, width - 1), -1, dtype=np.int64)
-    for n in range(cu.size - 1):
-        r = int(batch.parent[physical_to_compact[cu[n]]])
-        for j in range(width - 2, -1, -1):
-            if r < 0:
-                break
-            out[n, j] = compact_to_physical[r]
-            r = int(batch.parent[r])
+    first_rows = np.asarray(first_rows, dtype=np.int64)
+    out = np.full((first_rows.size, width - 1), -1, dtype=np.int64)
+    r = batch.parent[physical_to_compact[first_rows]]  # compact row of each sequence's next predecessor, -1 none
+    for j in range(width - 2, -1, -1):
+        has = r >= 0
+        out[has, j] = compact_to_physical[r[has]]
+        r = np.where(has, batch.parent[np.maximum(r, 0)], -1)
     return out
 
 
@@ -229,17 +228,22 @@ class TreeLayout:
 
     tokens, positions [C]: token id and original position of each physical row.
     row_weight [C]: multiplicity q of each row (MoE statistics weights).
-    seq_cu [N+1]: all input sequences of the plan in physical rows (each one path); the short conv runs on them.
+    mixer_rows: the rows of a layer's input the linear-attention mixer runs on. Tree execution: the rows of all
+        kernel calls, call after call (replay rows included: T = C + replay rows), so the mixer's per-row steps, its
+        conv and its core read them in the calls' order and only the layer input (D wide) is gathered, not the
+        core's five inputs; its output goes back to the physical rows by `linear_keep`. None: the physical rows
+        (prefix carry, whose replay rows come from other microbatches).
+    seq_cu [N+1]: the short conv's sequences over the mixer's rows (tree execution: every piece of every call; carry:
+        the plan's input sequences), each one stretch of a path.
     conv_fix: the rows whose conv window reaches before their sequence's start, recomputed from the W-1 rows
         preceding the sequence on its path (`conv_context_rows`; carry: also carried rows after the C own ones), the
         sequences otherwise convolved from zeros as flat packing does (`models.ops.conv.recomputed_rows`); None when
         no sequence has a predecessor.
     linear_rounds: the linear-attention kernel calls in order, by round.
-    linear_gather, linear_round_rows: the physical rows fed to all calls, call after call (None: all rows in order;
-        a slice when contiguous), and each round's number of them: one gather and one split per input, so backward
-        handles each input's gradient once instead of once per call.
-    linear_keep: the position of each physical row's output among the calls' concatenated outputs (replay outputs
-        are dropped; None when that is all of them in order).
+    linear_gather, linear_round_rows: the rows of [mixer rows; carried replay rows] fed to all calls, call after call
+        (None: all rows in order, as in tree execution; a slice when contiguous), and each round's number of them.
+    linear_keep: the position of each physical row's output among the calls' concatenated rows (replay outputs are
+        dropped; None when that is all of them in order).
     attention: full-attention visibility and branch views.
     logit_row [S], target [S]: for compact_logprobs, in physical rows (-1 for first tokens).
     """
@@ -247,6 +251,7 @@ class TreeLayout:
     tokens: torch.Tensor
     positions: torch.Tensor
     row_weight: torch.Tensor
+    mixer_rows: RowGather | slice | None
     seq_cu: torch.Tensor
     conv_fix: RecomputedRows | None
     linear_rounds: list[CoreRound]
@@ -265,39 +270,51 @@ class TreeLayout:
 
     @staticmethod
     def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
-        """From a packed microbatch and its planner.calls.ExecutionPlan; conv_size W of the linear-attention layers."""
+        """From a packed microbatch and its planner.calls.ExecutionPlan; conv_size W of the linear-attention layers.
+        The linear-attention mixers run on the calls' rows (`mixer_rows`)."""
         p2c = plan.physical_to_compact
         c2p = plan.compact_to_physical
         logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)
+        calls, keep = core_calls(plan)
+        gather = np.concatenate([c.gather for c in calls])
+        pieces = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
+        history = conv_context_rows(batch, p2c, c2p, gather[pieces[:-1]], conv_size)
         return TreeLayout.assemble(
-            plan, core_calls(plan), batch.tokens[p2c], batch.positions[p2c], batch.multiplicity[p2c],
-            conv_context_rows(batch, p2c, c2p, plan.seq_row_offsets, conv_size),
+            plan, (calls, keep), batch.tokens[p2c], batch.positions[p2c], batch.multiplicity[p2c],
+            (pieces, np.where(history >= 0, keep[np.maximum(history, 0)], -1)),
             build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets, device), logit_row, batch.sem_tokens,
-            device,
+            device, mixer_on_calls=True,
         )
 
     @staticmethod
     def assemble(
         plan, calls: tuple[list[CoreCall], np.ndarray], tokens: np.ndarray, positions: np.ndarray,
-        multiplicity: np.ndarray, conv_context: np.ndarray, attention: TreeAttentionLayout, logit_row: np.ndarray,
-        target: np.ndarray, device=None, carried_replay_rows: int = 0,
+        multiplicity: np.ndarray, conv: tuple[np.ndarray, np.ndarray], attention: TreeAttentionLayout,
+        logit_row: np.ndarray, target: np.ndarray, device=None, carried_replay_rows: int = 0,
+        mixer_on_calls: bool = False,
     ) -> "TreeLayout":
         """The layout's tensors from host arrays: the plan with its kernel calls and kept outputs
-        (`models.tree.core_calls`), per physical row [C] token, position and multiplicity, conv_context [N, W-1],
-        the attention layout, per position [S] logit row (physical, -1 none) and target. The calls read
-        `carried_replay_rows` rows after the C physical ones (prefix carry's replay rows)."""
+        (`models.tree.core_calls`), per physical row [C] token, position and multiplicity, the conv's sequences
+        over the mixer's rows with their history (cu [N+1], history [N, W-1] as `conv_context_rows` gives, in the
+        mixer's rows), the attention layout, per position [S] logit row (physical, -1 none) and target.
+        `mixer_on_calls`: the linear-attention mixers run on the calls' rows (`mixer_rows`), else on the physical
+        rows, with the calls reading `carried_replay_rows` rows after the C physical ones (prefix carry)."""
         calls, keep = calls
+        if mixer_on_calls and carried_replay_rows:
+            raise ValueError("carried replay rows need the mixer on the physical rows (mixer_on_calls=False)")
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         gather = np.concatenate([c.gather for c in calls])
+        gathered = row_reader(gather, tokens.size + carried_replay_rows, device)
         rounds = core_rounds(calls, plan.chunk_size, device)
         return TreeLayout(
             tokens=as_t(tokens),
             positions=as_t(positions),
             row_weight=torch.as_tensor(multiplicity, dtype=torch.float64, device=device),
-            seq_cu=as_t(plan.seq_row_offsets),
-            conv_fix=RecomputedRows.build(plan.seq_row_offsets, conv_context, device),
+            mixer_rows=gathered if mixer_on_calls else None,
+            seq_cu=as_t(conv[0]),
+            conv_fix=RecomputedRows.build(*conv, device),
             linear_rounds=rounds,
-            linear_gather=row_reader(gather, tokens.size + carried_replay_rows, device),
+            linear_gather=None if mixer_on_calls else gathered,
             linear_round_rows=[sum(r.call_rows) for r in rounds],
             linear_keep=row_reader(keep, gather.size, device),
             attention=attention,

@@ -3,14 +3,16 @@
 Legend: C compact rows (physical order of the plan), D model dim, X conv channels, N input sequences, W conv width,
 HV value heads, K/V head dims.
 
-A mixer's row-wise steps (projections, norms, activations, output projection) run once per compact row. What couples
-rows follows the tree:
+A mixer's row-wise steps (projections, norms, activations, output projection) run once per compact row (linear
+attention: also once more per replay row, below). What couples rows follows the tree:
 - full attention: a row sees its path ancestors and itself (`models.tree.attention`), RoPE at original positions;
-- the short conv: each input sequence sees the W-1 rows preceding it on its own path (never a packing neighbour):
-  its first W-1 rows are recomputed from them after a convolution from zeros (`models.ops.conv.recomputed_rows`);
 - the linear-attention core: the plan's rounds as kernel calls (`models.tree.core_calls`); side branches start from
   chunk-boundary states produced by earlier calls and replay [floor(p/B)*B, p) of already-activated ancestor rows
   (state updates only); the states are tensors in the graph, so every consumer's gradient reaches their producer.
+  The whole mixer runs on the calls' rows, call after call (replay rows included: under 1% more rows on SWE-like
+  trees), so only its D-wide input and output are gathered, not the core's five inputs and its output;
+- the short conv: each piece of a call sees the W-1 rows preceding it on its own path (never a packing neighbour):
+  its first W-1 rows are recomputed from them after a convolution from zeros (`models.ops.conv.recomputed_rows`).
 `TreeContext` is what `models.decoder.DecoderLayer` asks to mix (the tree counterpart of `FlatContext`).
 """
 
@@ -28,7 +30,7 @@ from models.tree.attention import Backend, tree_attention
 from models.tree.layout import TreeLayout
 from models.tree.row_gather import RowGather
 
-__all__ = ["TreeContext", "linear_attention_rounds", "linear_attention_states", "tree_linear_mixer",
+__all__ = ["TreeContext", "linear_attention_states", "tree_linear_mixer",
            "tree_attention_mixer", "read_rows"]
 
 
@@ -37,48 +39,43 @@ def read_rows(x: torch.Tensor, rows: RowGather | slice | None) -> torch.Tensor:
     return x if rows is None else x[rows] if isinstance(rows, slice) else rows(x)
 
 
-def linear_attention_rounds(mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout) -> torch.Tensor:
-    """Run the core as the layout's kernel calls, round by round (`LinearAttention.core_round`); returns o [C, HV, V]
-    in physical order (replay outputs dropped).
-
-    Each round's sequences start from states of the table (zeros, then every call's final states in order, see
-    `models.tree.core_calls`); the table is built from tensors in the graph, so gradients reach each producer. A round
-    stacks only the states it starts from (concatenating the whole table per call would copy it 14 times a layer on
-    a SWE tree)."""
-    return linear_attention_states(mixer, inputs, layout)[0]
-
-
 def linear_attention_states(
     mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout, outside: torch.Tensor | None = None,
     exported: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`linear_attention_rounds` with the prefix carry's states: `outside` `[Y, HV, K, V]` (fp32) are the table's
-    entries 1..Y (states of paths executed in earlier parts), `exported` the Z table indices of the states to return
-    (`models.tree.core_calls.core_calls_and_exports`). Returns (o `[C, HV, V]`, states `[Z, HV, K, V]` or None).
-    `inputs` holds the rows `layout.linear_gather` reads (the physical rows, then the carried replay rows)."""
+    """Run the core as the layout's kernel calls, round by round (`LinearAttention.core_round`).
+
+    `inputs` holds the calls' rows, call after call (`layout.linear_gather` reads them). Each round's sequences start
+    from states of the table (zeros, then `outside` `[Y, HV, K, V]` fp32 (prefix carry: states of paths executed in
+    earlier parts, entries 1..Y), then every call's final states in order, see `models.tree.core_calls`); the table
+    is built from tensors in the graph, so gradients reach each producer. A round stacks only the states it starts
+    from (concatenating the whole table per call would copy it 14 times a layer on a SWE tree). Returns (o
+    `[T, HV, V]` of the calls' rows, replay rows included, `layout.linear_keep` picks the physical rows' outputs;
+    the states `exported` names, `[Z, HV, K, V]`, or None)."""
     state_dtype = upcast(inputs.v.dtype)
     HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
     if outside is not None:
         table.extend(outside.unbind(0))
     outputs = []
-    pieces = [read_rows(t, layout.linear_gather).split(layout.linear_round_rows)
-              for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
+    pieces = [t.split(layout.linear_round_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
     for i, rnd in enumerate(layout.linear_rounds):
         h0 = None if rnd.init_state is None else torch.stack([table[s] for s in rnd.init_state])
         o, finals = mixer.core_round(CoreInputs(*(p[i] for p in pieces)), rnd, h0)
         outputs.append(o)
         table.extend(finals.to(state_dtype).unbind(0))
-    o = read_rows(torch.cat(outputs) if len(outputs) > 1 else outputs[0], layout.linear_keep)
+    o = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     return o, torch.stack([table[i] for i in exported]) if exported else None
 
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
-    """GDN / KDA over compact rows: ancestor-context conv, round-wise core -> `[C, D]`."""
-    rows = mixer.project(h_CD)
+    """GDN / KDA over compact rows -> `[C, D]`: every step on the calls' rows (`layout.mixer_rows`: the layer input
+    gathered once, D wide), the conv's sequences restarted at each piece with their path history, the core round by
+    round, the output rows of the physical rows picked by `layout.linear_keep`."""
+    rows = mixer.project(read_rows(h_CD, layout.mixer_rows))
     qkv = mixer.conv_restarted(rows.qkv, layout.seq_cu, layout.conv_fix)
-    o = linear_attention_rounds(mixer, mixer.activate(rows, qkv), layout)
-    return mixer.output(o, rows)
+    o, _ = linear_attention_states(mixer, mixer.activate(rows, qkv), layout)
+    return read_rows(mixer.output(o, rows), layout.linear_keep)
 
 
 def tree_attention_mixer(mixer: nn.Module, h_CD: torch.Tensor, layout: TreeLayout, backend: Backend) -> torch.Tensor:
