@@ -238,7 +238,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         count = len(mbs) if mode == "carry" else len(times)
         results[key] = {"seconds": sum(times), "microbatches": count, "peak_gib": peak}
         calls = (f", linear-attention calls per layer {sum(mb.linear_attention_calls for mb in mbs)} in "
-                 f"{sum(len(mb.layout.linear_rounds) for mb in mbs)} rounds" if mbs else "")
+                 f"{sum(mb.layout.linear_calls.rounds for mb in mbs)} rounds" if mbs else "")
         print(f"{name} {mode}: {count} microbatches, {sum(times):.2f} s "
               f"({', '.join(f'{t:.2f}' for t in times)}), peak {peak:.1f} GiB{calls}", file=sys.stderr, flush=True)
     model.zero_grad(set_to_none=True)

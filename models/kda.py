@@ -28,7 +28,7 @@ from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
 from models.ops import kda_core, l2_norm
 from models.ops.gate import kda_decay
-from models.ops.kda.round import fla_kda_round
+from models.ops.kda.calls import fla_kda_calls
 
 
 @dataclass
@@ -83,7 +83,7 @@ class KimiDeltaAttention(LinearAttention):
         self.o_proj = nn.Linear(HK, hidden_size, bias=False)
 
     core_op = staticmethod(kda_core)
-    round_op = staticmethod(fla_kda_round)
+    calls_op = staticmethod(fla_kda_calls)
 
     def conv_groups(self) -> tuple[int, int, int]:
         HK = self.config.num_heads * self.config.head_dim

@@ -29,7 +29,7 @@ from models.ops.conv.recomputed_rows import RecomputedRows, conv_recomputed_rows
 from models.ops.dispatch import use_fla
 
 if TYPE_CHECKING:
-    from models.tree.layout import CoreRound
+    from models.tree.layout import CoreCalls
 
 
 @dataclass
@@ -54,8 +54,8 @@ class LinearAttention(nn.Module):
 
     core_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
-    round_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Fast path of `core_round` where fla runs (`models.ops.kda.round.fla_kda_round`); None: call by call."""
+    calls_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Fast path of `core_calls` where fla runs (`models.ops.kda.calls.fla_kda_calls`); None: call by call."""
 
     def __init__(self, conv_channels: int, conv_size: int, chunk_size: int):
         super().__init__()
@@ -135,31 +135,36 @@ class LinearAttention(nn.Module):
         )
         return o[0], final
 
-    def core_round(
-        self, inputs: CoreInputs, rnd: CoreRound, initial_state: torch.Tensor | None,
+    def core_calls(
+        self, inputs: CoreInputs, calls: CoreCalls, outside: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 4 for one round of tree execution: its kernel calls in order, piece j > 0 of a sequence starting
-        from the final state of its piece j-1 (`models.tree.layout.CoreRound`).
+        """Step 4 for tree execution: a layer's kernel calls in order, each piece starting from an entry of the state
+        table (`models.tree.layout.CoreCalls`: zeros, `outside`, earlier calls' final states).
 
         Args:
-            inputs: the round's rows, call after call.
-            rnd: its calls, with each piece's predecessor (`CoreCallTensors.previous`) and, for `round_op`, fla's
-                chunk bookkeeping of the whole round.
-            initial_state: `[N, HV, K, V]` fp32 state of each of the round's sequences (differentiable), None = zeros.
-        Returns: (o `[T, HV, V]`, the final state of every piece `[P, HV, K, V]`, call after call).
-        This call-by-call loop is the reference of `round_op`.
+            inputs: the calls' rows, call after call.
+            calls: the calls, with each piece's table entry and, for `calls_op`, fla's chunk bookkeeping of all of
+                them.
+            outside: `[Y, HV, K, V]` fp32 table entries 1..Y (differentiable; prefix carry), None when Y = 0.
+        Returns: (o `[T, HV, V]`, the state table `[M, HV, K, V]` in the upcast dtype).
+        This call-by-call loop is the reference of `calls_op`.
         """
-        if self.round_op is not None and use_fla(inputs.v):
-            return self.round_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, rnd, initial_state,
+        if self.calls_op is not None and use_fla(inputs.v):
+            return self.calls_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, calls, outside,
                                  self.chunk_size)
-        pieces = [t.split(rnd.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
-        outputs, finals = [], []
-        for j, call in enumerate(rnd.calls):
-            h0 = call.initial_states(initial_state, finals[-1] if finals else None)
-            o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu, h0, True)
+        state_dtype = upcast(inputs.v.dtype)
+        HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
+        table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
+        if outside is not None:
+            table.extend(outside.to(state_dtype).unbind(0))
+        pieces = [t.split(calls.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
+        outputs = []
+        for j, call in enumerate(calls.calls):
+            o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu,
+                                 call.initial_states(table), True)
             outputs.append(o)
-            finals.append(final.to(upcast(inputs.v.dtype)))
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0], torch.cat(finals)
+            table.extend(final.to(state_dtype).unbind(0))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0], torch.stack(table)
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Flat packed forward from zero states: steps 1-5."""

@@ -8,8 +8,8 @@ chunk-aligned, so cutting a sequence at its requested chunk starts leaves its ch
 whole chunks, starts from the final state of piece j-1, and its own final state is the state at the next cut.
 Call j of a round packs piece j of every sequence that has one. Exact, fp32 states, gradients through the kernel's
 own initial/final-state support; cost: 1 + (most cuts in one sequence) calls for the round instead of one. On fla's
-KDA kernels only the state recurrences pay that (`models.ops.kda.round` runs the chunk-local kernels once per
-round); the reference and GDN run the calls one by one (`models.linear_attention.LinearAttention.core_round`).
+KDA kernels only the state recurrences pay that (`models.ops.kda.calls` runs the chunk-local kernels once per
+layer); the reference and GDN run the calls one by one (`models.linear_attention.LinearAttention.core_calls`).
 
 States live in one table, in the order they are produced: entry 0 is the zero state, then the plan's outside states
 (prefix carry: `ExecutionPlan.external_state_*`, entries 1..Y), then the final states of call 0 (one per sequence),

@@ -21,7 +21,7 @@ from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
-__all__ = ["CoreCallTensors", "CoreRound", "TreeLayout", "core_rounds", "ancestor_rows", "build_attention_layout",
+__all__ = ["CoreCallTensors", "CoreCalls", "TreeLayout", "core_call_tensors", "ancestor_rows", "build_attention_layout",
            "conv_context_rows", "row_reader"]
 
 
@@ -110,54 +110,54 @@ def row_reader(index: np.ndarray, rows: int, device) -> RowGather | slice | None
 @dataclass
 class CoreCallTensors:
     """One linear-attention kernel call (`models.tree.core_calls.CoreCall`) on a device; its input rows are the
-    call's part of `TreeLayout.linear_gather`."""
+    call's part of the layer's calls' rows (`CoreCalls.row_bounds`)."""
 
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
-    """[N_k+1] piece boundaries in `gather`, on the device and on the host (fla needs no host sync then)."""
+    """[N_k+1] piece boundaries in the call's rows, on the device and on the host (fla needs no host sync then)."""
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
-    previous: torch.Tensor | None
-    """[N_k] where each piece's sequence is among the previous call's of its round (whose final state it starts
-    from); None when it is the first call of its round, or continues every sequence of the previous one."""
+    init_index: torch.Tensor | None
+    """`init_state` as an int64 tensor (on the device after `core_call_tensors`), None with it."""
+    first_state: int
+    """The table index of its first final state (the others follow in piece order)."""
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     """fla's chunk bookkeeping of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
 
-    def initial_states(self, round_initial: torch.Tensor | None, previous_finals: torch.Tensor | None
-                       ) -> torch.Tensor | None:
-        """This call's initial states `[N_k, HV, K, V]`: for a round's first call (`previous_finals` None) the
-        round's `round_initial` (None = zeros), else each piece's predecessor among the previous call's final
-        states."""
-        if previous_finals is None:
-            return round_initial
-        return previous_finals if self.previous is None else previous_finals[self.previous]
+    def initial_states(self, table: list[torch.Tensor]) -> torch.Tensor | None:
+        """This call's initial states `[N_k, HV, K, V]` from the state table (entries `[HV, K, V]`), None = zeros."""
+        return None if self.init_state is None else torch.stack([table[i] for i in self.init_state])
 
     @staticmethod
-    def build(call: CoreCall, previous: CoreCall | None, chunk_size: int) -> "CoreCallTensors":
-        """On the host (`core_rounds` moves the index tensors to the device)."""
+    def build(call: CoreCall, chunk_size: int) -> "CoreCallTensors":
+        """On the host (`core_call_tensors` moves the index tensors to the device)."""
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
-        continues = previous is None or np.array_equal(previous.sequence, call.sequence)
+        zeros = not call.init_state.any()
         return CoreCallTensors(
             cu_seqlens=cu,
             cu_seqlens_cpu=cu,
-            init_state=None if not call.init_state.any() else tuple(call.init_state.tolist()),
-            previous=None if continues else torch.as_tensor(np.searchsorted(previous.sequence, call.sequence)),
+            init_state=None if zeros else tuple(call.init_state.tolist()),
+            init_index=None if zeros else torch.as_tensor(call.init_state, dtype=torch.int64),
+            first_state=int(call.first_state),
             chunk_indices=torch.as_tensor(indices),
             chunk_offsets=torch.as_tensor(first),
         )
 
 
 @dataclass
-class CoreRound:
-    """One round of the plan as its kernel calls (`models.tree.core_calls`): call j packs piece j of the round's
-    sequences that have one; piece j > 0 starts from the final state of the same sequence's piece j-1.
+class CoreCalls:
+    """A layer's linear-attention kernel calls (`models.tree.core_calls`), in order, and what kernels that work chunk
+    by chunk need to run once over all of them.
 
-    calls: the round's calls in order; call_rows: their input rows (consecutive in `TreeLayout.linear_gather`).
-    cu_seqlens, chunk_indices, chunk_offsets: every piece of every call as one packed sequence each, on the device,
-    with fla's chunk bookkeeping: what kernels that work chunk by chunk need to run once over the whole round
-    (`models.ops.kda.round`).
+    The calls' rows are one tensor, call after call. Call k's pieces start from entries of a state table: entry 0
+    zeros, entries 1..Y states from outside (prefix carry), then every call's final states in call order, so a call
+    reads only entries written before it (a later piece of a cut sequence, or a side branch's chunk-aligned start).
+
+    calls: the calls in order; call_rows: their input rows. cu_seqlens, chunk_indices, chunk_offsets: every piece of
+    every call as one packed sequence each, on the device, with fla's chunk bookkeeping (`models.ops.kda.calls`).
+    table_size: 1 + Y + all calls' pieces. rounds: the plan's rounds the calls came from (for reports).
     """
 
     calls: list[CoreCallTensors]
@@ -166,59 +166,57 @@ class CoreRound:
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     chunk_size: int
+    table_size: int
+    rounds: int
 
     @property
     def row_bounds(self) -> list[int]:
-        """[m+1] where each call's rows start in the round's, and their end."""
+        """[m+1] where each call's rows start among all calls' rows, and their end."""
         return np.concatenate([[0], np.cumsum(self.call_rows)]).tolist()
 
     @property
     def chunk_bounds(self) -> list[int]:
-        """[m+1] where each call's chunks start among the round's (fla's chunk order: call after call), and their
+        """[m+1] where each call's chunks start among all calls' (fla's chunk order: call after call), and their
         end."""
         return np.concatenate([[0], np.cumsum([c.chunk_indices.shape[0] for c in self.calls])]).tolist()
 
     @property
-    def final_bounds(self) -> list[int]:
-        """[m+1] where each call's final states start among the round's, and their end."""
-        return np.concatenate([[0], np.cumsum([c.cu_seqlens_cpu.numel() - 1 for c in self.calls])]).tolist()
-
-    @property
-    def init_state(self) -> tuple[int, ...] | None:
-        """State-table index of each sequence's initial state (its first piece's); None: all zeros."""
-        return self.calls[0].init_state
+    def outside_states(self) -> int:
+        """Y: the table entries from outside (1..Y)."""
+        return self.calls[0].first_state - 1 if self.calls else self.table_size - 1
 
     @staticmethod
-    def build(calls: list[CoreCall], chunk_size: int) -> "CoreRound":
-        """From the consecutive calls of one round, on the host (`core_rounds` moves the index tensors)."""
-        for prev, call in zip(calls, calls[1:]):
-            pos = np.searchsorted(prev.sequence, call.sequence)
-            assert np.isin(call.sequence, prev.sequence).all() and (call.init_state == prev.first_state + pos).all(), \
-                "each piece of a later call starts from its sequence's final state in the previous call"
-        rows = [int(c.gather.size) for c in calls]
+    def build(calls: list[CoreCall], chunk_size: int, table_start: int) -> "CoreCalls":
+        """From a layer's calls in order, on the host (`core_call_tensors` moves the index tensors); `table_start` =
+        1 + Y, the table index of the first call's first final state."""
+        table = table_start
+        for call in calls:
+            assert call.first_state == table and (call.init_state < table).all(), \
+                "each call's pieces start from zeros, outside states or earlier calls' final states"
+            table += call.num_sequences
         cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
         indices, first = fla_chunk_arrays(cu, chunk_size)
-        return CoreRound(
-            calls=[CoreCallTensors.build(c, p, chunk_size) for p, c in zip([None, *calls], calls)],
-            call_rows=rows, cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
-            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size,
+        return CoreCalls(
+            calls=[CoreCallTensors.build(c, chunk_size) for c in calls],
+            call_rows=[int(c.gather.size) for c in calls], cu_seqlens=torch.as_tensor(cu),
+            chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size,
+            table_size=table, rounds=len({c.round for c in calls}),
         )
 
 
-_DEVICE_INDEX_FIELDS = {CoreRound: ("cu_seqlens", "chunk_indices", "chunk_offsets"),
-                        CoreCallTensors: ("cu_seqlens", "previous", "chunk_indices", "chunk_offsets")}
+_DEVICE_INDEX_FIELDS = {CoreCalls: ("cu_seqlens", "chunk_indices", "chunk_offsets"),
+                        CoreCallTensors: ("cu_seqlens", "init_index", "chunk_indices", "chunk_offsets")}
 
 
-def core_rounds(calls: list[CoreCall], chunk_size: int, device) -> list[CoreRound]:
-    """The calls (in order, `models.tree.core_calls.core_calls`) grouped by round, their index tensors on `device`
-    in one copy (`models.tree.device_copy`: 3-4 of them per call)."""
-    bounds = [0, *(i for i in range(1, len(calls)) if calls[i].round != calls[i - 1].round), len(calls)]
-    rounds = [CoreRound.build(calls[a:b], chunk_size) for a, b in zip(bounds, bounds[1:])]
-    slots = [(obj, name) for r in rounds for obj in (r, *r.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
+def core_call_tensors(calls: list[CoreCall], chunk_size: int, table_start: int, device) -> CoreCalls:
+    """`CoreCalls.build` with the index tensors on `device` in one copy (`models.tree.device_copy`: 3-4 of them per
+    call)."""
+    built = CoreCalls.build(calls, chunk_size, table_start)
+    slots = [(obj, name) for obj in (built, *built.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
              if getattr(obj, name) is not None]
     for (obj, name), t in zip(slots, device_views([getattr(obj, name) for obj, name in slots], device)):
         setattr(obj, name, t)
-    return rounds
+    return built
 
 
 @dataclass
@@ -239,9 +237,9 @@ class TreeLayout:
         preceding the sequence on its path (`conv_context_rows`; carry: also carried rows after the C own ones), the
         sequences otherwise convolved from zeros as flat packing does (`models.ops.conv.recomputed_rows`); None when
         no sequence has a predecessor.
-    linear_rounds: the linear-attention kernel calls in order, by round.
-    linear_gather, linear_round_rows: the rows of [mixer rows; carried replay rows] fed to all calls, call after call
-        (None: all rows in order, as in tree execution; a slice when contiguous), and each round's number of them.
+    linear_calls: the linear-attention kernel calls in order.
+    linear_gather: the rows of [mixer rows; carried replay rows] fed to all calls, call after call (None: all rows
+        in order, as in tree execution; a slice when contiguous).
     linear_keep: the position of each physical row's output among the calls' concatenated rows (replay outputs are
         dropped; None when that is all of them in order).
     attention: full-attention visibility and branch views.
@@ -254,9 +252,8 @@ class TreeLayout:
     mixer_rows: RowGather | slice | None
     seq_cu: torch.Tensor
     conv_fix: RecomputedRows | None
-    linear_rounds: list[CoreRound]
+    linear_calls: CoreCalls
     linear_gather: RowGather | slice | None
-    linear_round_rows: list[int]
     linear_keep: RowGather | slice | None
     attention: TreeAttentionLayout
     logit_row: torch.Tensor
@@ -266,7 +263,7 @@ class TreeLayout:
     @property
     def linear_attention_calls(self) -> int:
         """Packed linear-attention kernel calls per layer."""
-        return sum(len(r.calls) for r in self.linear_rounds)
+        return len(self.linear_calls.calls)
 
     @staticmethod
     def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
@@ -305,7 +302,6 @@ class TreeLayout:
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         gather = np.concatenate([c.gather for c in calls])
         gathered = row_reader(gather, tokens.size + carried_replay_rows, device)
-        rounds = core_rounds(calls, plan.chunk_size, device)
         return TreeLayout(
             tokens=as_t(tokens),
             positions=as_t(positions),
@@ -313,9 +309,8 @@ class TreeLayout:
             mixer_rows=gathered if mixer_on_calls else None,
             seq_cu=as_t(conv[0]),
             conv_fix=RecomputedRows.build(*conv, device),
-            linear_rounds=rounds,
+            linear_calls=core_call_tensors(calls, plan.chunk_size, 1 + int(plan.external_state_context.size), device),
             linear_gather=None if mixer_on_calls else gathered,
-            linear_round_rows=[sum(r.call_rows) for r in rounds],
             linear_keep=row_reader(keep, gather.size, device),
             attention=attention,
             logit_row=as_t(logit_row),

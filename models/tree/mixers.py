@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from models.attention_core import AttentionRows
-from models.dtypes import upcast
 from models.linear_attention import CoreInputs, LinearAttention
 from models.tree.attention import Backend, tree_attention
 from models.tree.layout import TreeLayout
@@ -43,29 +42,16 @@ def linear_attention_states(
     mixer: LinearAttention, inputs: CoreInputs, layout: TreeLayout, outside: torch.Tensor | None = None,
     exported: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the core as the layout's kernel calls, round by round (`LinearAttention.core_round`).
+    """Run the core as the layout's kernel calls (`LinearAttention.core_calls`).
 
-    `inputs` holds the calls' rows, call after call (`layout.linear_gather` reads them). Each round's sequences start
-    from states of the table (zeros, then `outside` `[Y, HV, K, V]` fp32 (prefix carry: states of paths executed in
-    earlier parts, entries 1..Y), then every call's final states in order, see `models.tree.core_calls`); the table
-    is built from tensors in the graph, so gradients reach each producer. A round stacks only the states it starts
-    from (concatenating the whole table per call would copy it 14 times a layer on a SWE tree). Returns (o
-    `[T, HV, V]` of the calls' rows, replay rows included, `layout.linear_keep` picks the physical rows' outputs;
-    the states `exported` names, `[Z, HV, K, V]`, or None)."""
-    state_dtype = upcast(inputs.v.dtype)
-    HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
-    table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
-    if outside is not None:
-        table.extend(outside.unbind(0))
-    outputs = []
-    pieces = [t.split(layout.linear_round_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
-    for i, rnd in enumerate(layout.linear_rounds):
-        h0 = None if rnd.init_state is None else torch.stack([table[s] for s in rnd.init_state])
-        o, finals = mixer.core_round(CoreInputs(*(p[i] for p in pieces)), rnd, h0)
-        outputs.append(o)
-        table.extend(finals.to(state_dtype).unbind(0))
-    o = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return o, torch.stack([table[i] for i in exported]) if exported else None
+    `inputs` holds the calls' rows, call after call (`layout.linear_gather` reads them). The calls' sequences start
+    from entries of the state table: zeros, then `outside` `[Y, HV, K, V]` fp32 (prefix carry: states of paths
+    executed in earlier parts, entries 1..Y), then every call's final states in order (`models.tree.core_calls`);
+    the table is a tensor in the graph, so gradients reach each producer. Returns (o `[T, HV, V]` of the calls' rows,
+    replay rows included, `layout.linear_keep` picks the physical rows' outputs; the table entries `exported` names,
+    `[Z, HV, K, V]`, or None)."""
+    o, table = mixer.core_calls(inputs, layout.linear_calls, outside)
+    return o, table[list(exported)] if exported else None
 
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:

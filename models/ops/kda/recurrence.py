@@ -3,11 +3,12 @@ fla 0.6.0 `fla/ops/common/chunk_delta_h.py`) writing their per-chunk outputs int
 
 Legend: T_j a call's rows, NT_j its chunks, N_j its sequences, H query/key heads, HV value heads, K/V head dims.
 
-A tree round (`models.ops.kda.round`) runs the recurrences call by call and everything else once over the round, so
-the chunk states h `[1, NT, HV, K, V]` and value tensors `[1, T, HV, V]` of all its calls are one tensor each. fla's
-wrappers allocate every call's own outputs, which the round then concatenated: on a 65k-row SWE microbatch of
-ling-3-tiny the round's h alone is about 0.5 GB per KDA layer, copied in the forward, in recomputation and twice in
-backward (h and dh). Here each call's kernel writes its rows and chunks in place.
+A tree layer's calls (`models.ops.kda.calls`) run the recurrences call by call and everything else once over all
+calls, so the chunk states h `[1, NT, HV, K, V]` and value tensors `[1, T, HV, V]` of all its calls are one tensor
+each. fla's wrappers allocate every call's own outputs, which would then be concatenated: on a 65k-row SWE
+microbatch of ling-3-tiny h alone is about 0.5 GB per KDA layer, copied in the forward, in recomputation and twice in
+backward (h and dh). Here each call's kernel writes its rows and chunks in place, and its final states into the
+state table.
 
 The kernels and launch grids are fla's own (the same code the wrappers run, so the same bits). fla's backend dispatch
 (`fla.backends`) can route these two functions to another implementation (in fla 0.6.0 the intra-card context
@@ -40,35 +41,38 @@ def _default_kernels_run(function_name: str, kwargs: dict) -> bool:
 
 
 def fwd_h_into(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-               gk: torch.Tensor, initial_state: torch.Tensor | None, output_final_state: bool,
+               gk: torch.Tensor, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
                cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_indices: torch.Tensor,
-               chunk_offsets: torch.Tensor, chunk_size: int) -> torch.Tensor | None:
+               chunk_offsets: torch.Tensor, chunk_size: int) -> None:
     """`chunk_gated_delta_rule_fwd_h(k, w, u, gk=gk, ...)` of one call (K-first states, new values saved) writing
-    its chunk states into h `[1, NT_j, HV, K, V]` and its new values into v_new `[1, T_j, HV, V]` (contiguous
-    slices of the round's buffers, in k's dtype). Returns the final states `[N_j, HV, K, V]` fp32, or None."""
+    its chunk states into h `[1, NT_j, HV, K, V]`, its new values into v_new `[1, T_j, HV, V]` (contiguous slices of
+    the layer's buffers, in k's dtype) and, where `final_state` is given, its final states into it
+    (`[N_j, HV, K, V]` fp32, contiguous: a slice of the state table)."""
     import triton
     from fla.ops.common.chunk_delta_h import (
         chunk_gated_delta_rule_fwd_h, chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
     )
 
-    kwargs = dict(k=k, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state,
+    kwargs = dict(k=k, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=final_state is not None,
                   chunk_size=chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                   chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
     if not _default_kernels_run("chunk_gated_delta_rule_fwd_h", kwargs):
         h_j, v_j, final = chunk_gated_delta_rule_fwd_h(**kwargs)
         h.copy_(h_j)
         v_new.copy_(v_j)
-        return final
+        if final_state is not None:
+            final_state.copy_(final)
+        return
     _, T, H, K = k.shape
     HV, V, N = u.shape[2], u.shape[-1], cu_seqlens.numel() - 1
     assert h.shape == (1, chunk_indices.shape[0], HV, K, V) and h.is_contiguous() and h.dtype == k.dtype
     assert v_new.shape == u.shape and v_new.is_contiguous() and v_new.dtype == u.dtype
-    final = k.new_zeros(N, HV, K, V, dtype=torch.float32) if output_final_state else None
+    assert final_state is None or (final_state.shape == (N, HV, K, V) and final_state.is_contiguous()
+                                   and final_state.dtype == torch.float32)
     chunk_gated_delta_rule_fwd_kernel_h_blockdim64[lambda meta: (triton.cdiv(V, meta["BV"]) * N * HV,)](
-        k=k, v=u, w=w, v_new=v_new, g=None, gk=gk, h=h, h0=initial_state, ht=final, cu_seqlens=cu_seqlens,
+        k=k, v=u, w=w, v_new=v_new, g=None, gk=gk, h=h, h0=initial_state, ht=final_state, cu_seqlens=cu_seqlens,
         chunk_offsets=chunk_offsets, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False,
     )
-    return final
 
 
 def bwd_dhu_into(dh: torch.Tensor, dv2: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,

@@ -1,0 +1,194 @@
+"""fla fast path for a tree layer's KDA kernel calls (CUDA): fla's chunk kernels once over all calls, only the two
+state recurrences call by call.
+
+Legend: T the calls' rows (call after call), P pieces (all calls' sequences), N_j call j's sequences, M state-table
+entries, NT chunks, H query/key heads, HV value heads, K/V head dims.
+
+A tree layer's linear attention is the calls of `models.tree.layout.CoreCalls`: call j packs pieces of sequences cut
+at chunk boundaries, each piece starting from an entry of a state table (zeros, states from outside, or an earlier
+call's final state: the same sequence's previous piece, or a side branch's chunk-aligned start). Of the kernels
+behind `fla.ops.kda.chunk_kda`, only the forward state recurrence (`chunk_gated_delta_rule_fwd_h`) and its backward
+(`chunk_gated_delta_rule_bwd_dhu`) carry anything from chunk to chunk. Everything else (the gate's cumsum, the
+intra-chunk WY terms, the outputs, dq/dk/dv/dg) works chunk by chunk, so it runs once over all the calls' rows with
+every piece as its own packed sequence. The recurrences run per call, in order forward and in reverse backward, each
+call's initial states read from the table and its final states written into it; backward adds each call's
+initial-state gradient into the table's gradient, which later becomes the `dht` of the calls that produced those
+entries. Chunk states and values are written into the layer's buffers in place (`models.ops.kda.recurrence`). Each
+kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the outputs and states are
+the same, bit for bit (`tests/models/ops/test_kda_calls.py` on the H200, the in-place writes and the dispatched
+wrappers alike). In a layer that backward recomputes (`models.recompute.in_recomputed_part`) the forward saves the
+WY factors, gated q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward
+runs neither `recompute_w_u_fwd` nor the forward recurrence again.
+
+Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
+dispatch; here it is about 7 and 10 per layer plus 1 forward and 2 backward per call. Tree layers on SWE-like steps
+hold up to 27 calls of a few hundred rows each (issue #17), where the host, not the GPU, set the pace. One autograd
+Function for all calls also leaves no per-round concatenation of outputs and input gradients.
+
+Reference: the call-by-call loop `models.linear_attention.LinearAttention.core_calls`. The fla calls mirror
+`fla.ops.kda.chunk_fwd.chunk_kda_fwd` and `fla.ops.kda.chunk_bwd.chunk_kda_bwd` (fla 0.6.0) with our flags: gates and
+beta activated outside, q/k normalised, K-first fp32 states, no context parallelism, no CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from models.ops.delta_rule.partition import check_delta_rule_shapes
+from models.ops.kda.chunk import check_fla_kda_limits
+from models.ops.kda.recurrence import bwd_dhu_into, fwd_h_into
+from models.recompute import in_recomputed_part
+
+if TYPE_CHECKING:
+    from models.tree.layout import CoreCalls
+
+
+class Kept(NamedTuple):
+    """What backward otherwise computes again: the WY factors w, u `[1, T, HV, K|V]`, the gated q and k
+    `[1, T, HV, K]`, the chunk states h `[1, NT, HV, K, V]` and the new values v_new `[1, T, HV, V]`."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
+
+
+def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_finals: bool):
+    """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` (each call writing
+    its chunks and rows in place, `models.ops.kda.recurrence`), each call's initial states read from `table`
+    `[M, HV, K, V]` fp32 and, with `write_finals`, its final states written into it (backward's recomputation reads
+    the table the forward filled)."""
+    rows, chunks = calls.row_bounds, calls.chunk_bounds
+    h = kg.new_empty(1, chunks[-1], u.shape[2], kg.shape[-1], u.shape[-1])
+    v_new = torch.empty_like(u)
+    for j, call in enumerate(calls.calls):
+        piece, part = slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
+        finals = table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1]
+        fwd_h_into(
+            h[:, part], v_new[:, piece], k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece],
+            initial_state=None if call.init_index is None else table[call.init_index],
+            final_state=finals if write_finals else None, cu_seqlens=call.cu_seqlens,
+            cu_seqlens_cpu=call.cu_seqlens_cpu, chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
+            chunk_size=calls.chunk_size,
+        )
+    return h, v_new
+
+
+def kda_calls_fwd(q, k, v, g, beta, scale: float, outside, calls: CoreCalls, keep: bool = False):
+    """Forward of a layer's calls: q, k `[1, T, H, K]`, v `[1, T, HV, V]`, g `[1, T, HV, K]` (log decay), beta
+    `[1, T, HV]`, outside `[Y, HV, K, V]` fp32 or None. Returns o `[1, T, HV, V]`, the state table `[M, HV, K, V]`
+    fp32 and for backward the gate's chunk cumsum, Aqk, Akk and, with `keep`, `Kept` (None without)."""
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    B, packed = calls.chunk_size, dict(cu_seqlens=calls.cu_seqlens, chunk_indices=calls.chunk_indices)
+    g_cum = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=B, **packed)
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, chunk_size=B,
+                                                 disable_recompute=keep, **packed)
+    table = q.new_empty(calls.table_size, *u.shape[2:3], q.shape[-1], u.shape[-1], dtype=torch.float32)
+    table[0].zero_()
+    if outside is not None:
+        table[1 : 1 + outside.shape[0]] = outside
+    h, v_new = _recurrence(kg, w, u, g_cum, calls, table, write_finals=True)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, chunk_size=B, **packed)
+    return o, table, g_cum, Aqk, Akk, Kept(w, u, qg, kg, h, v_new) if keep else None
+
+
+def kda_calls_bwd(q, k, v, g_cum, beta, Aqk, Akk, table, scale: float, do, d_table, calls: CoreCalls,
+                  kept: Kept | None = None):
+    """Backward of a layer's calls from `kda_calls_fwd`'s saved tensors, do `[1, T, HV, V]` and d_table
+    `[M, HV, K, V]` fp32 (the table's incoming gradient; updated in place): (dq, dk, dv, dg, dbeta, d outside or
+    None). Call j's `dht` is the gradient of its final-state entries once every later call has added its
+    initial-state gradient to the entries it read. Without `kept` the WY factors and the forward recurrence run again
+    (as fla's backward does)."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    B, packed = calls.chunk_size, dict(cu_seqlens=calls.cu_seqlens, chunk_indices=calls.chunk_indices)
+    if kept is None:
+        w, u, qg, kg = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=g_cum, **packed)
+        h, v_new = _recurrence(kg, w, u, g_cum, calls, table, write_finals=False)
+    else:
+        w, u, qg, kg, h, v_new = kept
+    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
+    rows, chunks = calls.row_bounds, calls.chunk_bounds
+    dh, dv2 = torch.empty_like(h, dtype=qg.dtype), torch.empty_like(dv)
+    for j in reversed(range(len(calls.calls))):
+        call, piece, part = calls.calls[j], slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
+        dh0 = bwd_dhu_into(
+            dh[:, part], dv2[:, piece], q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece],
+            dv=dv[:, piece], gk=g_cum[:, piece], h0=None if call.init_index is None else table[call.init_index],
+            dht=d_table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1].contiguous(),
+            scale=scale, cu_seqlens=call.cu_seqlens, chunk_indices=call.chunk_indices,
+            chunk_offsets=call.chunk_offsets, chunk_size=B,
+        )
+        if dh0 is not None:  # sorted accumulation: deterministic where pieces share a start
+            d_table.index_put_((call.init_index,), dh0, accumulate=True)
+    dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv2,
+        scale=scale, chunk_size=B, chunk_offsets=calls.chunk_offsets, **packed,
+    )
+    dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                         dg=dg, chunk_size=B, **packed)
+    H, HV = q.shape[2], v.shape[2]
+    if HV > H:  # as fla: value-head gradients summed per query/key head (our KDA has HV == H)
+        dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
+        dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    dg = chunk_local_cumsum(dg, chunk_size=B, reverse=True, **packed)
+    Y = calls.outside_states
+    return dq, dk, dv, dg, db, d_table[1 : 1 + Y] if Y else None
+
+
+class KDACallsFunction(torch.autograd.Function):
+    """`kda_calls_fwd` / `kda_calls_bwd` under autograd, on the inputs' device. In a layer that backward
+    recomputes (`models.recompute.in_recomputed_part`) it saves `Kept`, as `models.ops.kda.chunk` has fla do."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, outside, calls, scale):
+        keep = in_recomputed_part()
+        with torch.cuda.device(q.device):
+            o, table, g_cum, Aqk, Akk, kept = kda_calls_fwd(q, k, v, g, beta, scale, outside, calls, keep)
+        ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, table, *(kept or ()))
+        ctx.calls, ctx.scale, ctx.g_dtype, ctx.kept = calls, scale, g.dtype, keep
+        return o.type_as(q), table
+
+    @staticmethod
+    def backward(ctx, do, d_table):
+        q, k, v, g_cum, beta, Aqk, Akk, table, *rest = ctx.saved_tensors
+        with torch.cuda.device(q.device):
+            dq, dk, dv, dg, db, d_outside = kda_calls_bwd(
+                q, k, v, g_cum, beta, Aqk, Akk, table, ctx.scale, do.contiguous(), d_table.clone(), ctx.calls,
+                Kept(*rest) if ctx.kept else None,
+            )
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), d_outside, None, None
+
+
+def fla_kda_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  calls: CoreCalls, outside: torch.Tensor | None, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LinearAttention.core_calls` on fla's kernels (its `calls_op`).
+
+    Args:
+        q, k: `[T, H, K]` the calls' rows, L2-normalised; v `[T, HV, V]`; g `[T, HV, K]` log decay; beta `[T, HV]`
+            (as `models.linear_attention.CoreInputs`).
+        calls: the layer's calls (`models.tree.layout.CoreCalls`), planned for `chunk_size` (32 or 64).
+        outside: `[Y, HV, K, V]` fp32 table entries 1..Y, None when there are none.
+    Returns: (o `[T, HV, V]` in v's dtype, the state table `[M, HV, K, V]` fp32).
+    """
+    if chunk_size != calls.chunk_size:
+        raise ValueError(f"the calls are planned for chunk size {calls.chunk_size} and the mixer runs {chunk_size}; "
+                         "the fla KDA path needs them equal")
+    check_fla_kda_limits(chunk_size, q.shape[-1])
+    q, k, v_, g, beta = (t[None].contiguous() for t in (q, k, v, g, beta))
+    check_delta_rule_shapes(q, k, v_, g, beta, None, calls.calls[0].cu_seqlens_cpu.numel() - 1, True)
+    outside = None if outside is None else outside.float().contiguous()
+    o, table = KDACallsFunction.apply(q, k, v_, g, beta, outside, calls, q.shape[-1] ** -0.5)
+    return o[0].to(v.dtype), table
