@@ -159,6 +159,9 @@ class LinearAttention(nn.Module):
             table.extend(outside.to(state_dtype).unbind(0))
         pieces = [t.split(calls.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
         outputs = []
+        if len(table) != 1 + calls.outside_states:
+            raise ValueError(f"the calls read {calls.outside_states} outside state(s) (table entries 1..Y), got "
+                             f"{len(table) - 1}")
         for j, call in enumerate(calls.calls):
             o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu,
                                  call.initial_states(table), True)

@@ -44,7 +44,8 @@ def linear_attention_states(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the core as the layout's kernel calls (`LinearAttention.core_calls`).
 
-    `inputs` holds the calls' rows, call after call (`layout.linear_gather` reads them). The calls' sequences start
+    `inputs` holds the calls' rows, call after call (tree execution: the mixer's rows, `layout.mixer_rows`; prefix
+    carry: read by `layout.linear_gather`). The calls' sequences start
     from entries of the state table: zeros, then `outside` `[Y, HV, K, V]` fp32 (prefix carry: states of paths
     executed in earlier parts, entries 1..Y), then every call's final states in order (`models.tree.core_calls`);
     the table is a tensor in the graph, so gradients reach each producer. Returns (o `[T, HV, V]` of the calls' rows,
@@ -56,8 +57,8 @@ def linear_attention_states(
 
 def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """GDN / KDA over compact rows -> `[C, D]`: every step on the calls' rows (`layout.mixer_rows`: the layer input
-    gathered once, D wide), the conv's sequences restarted at each piece with their path history, the core round by
-    round, the output rows of the physical rows picked by `layout.linear_keep`."""
+    gathered once, D wide), the conv's sequences restarted at each piece with their path history, the core as the
+    layout's calls, the output rows of the physical rows picked by `layout.linear_keep`."""
     rows = mixer.project(read_rows(h_CD, layout.mixer_rows))
     qkv = mixer.conv_restarted(rows.qkv, layout.seq_cu, layout.conv_fix)
     o, _ = linear_attention_states(mixer, mixer.activate(rows, qkv), layout)

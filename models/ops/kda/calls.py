@@ -158,14 +158,17 @@ class KDACallsFunction(torch.autograd.Function):
             o, table, g_cum, Aqk, Akk, kept = kda_calls_fwd(q, k, v, g, beta, scale, outside, calls, keep)
         ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, table, *(kept or ()))
         ctx.calls, ctx.scale, ctx.g_dtype, ctx.kept = calls, scale, g.dtype, keep
+        ctx.set_materialize_grads(False)  # the tree mixer drops the table: no zero gradient made for it
         return o.type_as(q), table
 
     @staticmethod
     def backward(ctx, do, d_table):
         q, k, v, g_cum, beta, Aqk, Akk, table, *rest = ctx.saved_tensors
+        do = torch.zeros_like(q, dtype=v.dtype) if do is None else do
+        d_table = torch.zeros_like(table) if d_table is None else d_table.clone(memory_format=torch.contiguous_format)
         with torch.cuda.device(q.device):
             dq, dk, dv, dg, db, d_outside = kda_calls_bwd(
-                q, k, v, g_cum, beta, Aqk, Akk, table, ctx.scale, do.contiguous(), d_table.clone(), ctx.calls,
+                q, k, v, g_cum, beta, Aqk, Akk, table, ctx.scale, do.contiguous(), d_table, ctx.calls,
                 Kept(*rest) if ctx.kept else None,
             )
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), d_outside, None, None
@@ -187,8 +190,11 @@ def fla_kda_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"the calls are planned for chunk size {calls.chunk_size} and the mixer runs {chunk_size}; "
                          "the fla KDA path needs them equal")
     check_fla_kda_limits(chunk_size, q.shape[-1])
+    Y = 0 if outside is None else outside.shape[0]
+    if Y != calls.outside_states:
+        raise ValueError(f"the calls read {calls.outside_states} outside state(s) (table entries 1..Y), got {Y}")
     q, k, v_, g, beta = (t[None].contiguous() for t in (q, k, v, g, beta))
-    check_delta_rule_shapes(q, k, v_, g, beta, None, calls.calls[0].cu_seqlens_cpu.numel() - 1, True)
+    check_delta_rule_shapes(q, k, v_, g, beta, outside, Y, True)
     outside = None if outside is None else outside.float().contiguous()
     o, table = KDACallsFunction.apply(q, k, v_, g, beta, outside, calls, q.shape[-1] ** -0.5)
     return o[0].to(v.dtype), table

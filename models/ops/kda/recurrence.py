@@ -81,7 +81,7 @@ def bwd_dhu_into(dh: torch.Tensor, dv2: torch.Tensor, q: torch.Tensor, k: torch.
                  chunk_size: int) -> torch.Tensor | None:
     """`chunk_gated_delta_rule_bwd_dhu(q, k, w, do, dv, gk=gk, ...)` of one call (K-first states) writing its chunk
     state gradients into dh `[1, NT_j, HV, K, V]` (q's dtype) and its value gradients into dv2 `[1, T_j, HV, V]`
-    (dv's dtype), contiguous slices of the round's buffers. Returns the initial-state gradient `[N_j, HV, K, V]`
+    (dv's dtype), contiguous slices of the layer's buffers. Returns the initial-state gradient `[N_j, HV, K, V]`
     fp32, or None when h0 is None."""
     import triton
     from fla.ops.common.chunk_delta_h import (

@@ -1,5 +1,6 @@
 """The fla op of a tree layer's KDA calls (`models.ops.kda.calls`) against its reference, the call-by-call loop of
-`LinearAttention.core_calls` on fla's `chunk_kda`: outputs, the state table and every gradient, bitwise (CUDA only).
+`LinearAttention.core_calls` on fla's `chunk_kda`: outputs, the state table and every gradient, bitwise (CUDA only;
+where two pieces share a start, the gradients to rounding).
 On the host: the calls' layout and fla's chunk bookkeeping computed without fla (`fla_chunk_arrays`)."""
 
 import numpy as np
@@ -28,11 +29,11 @@ ROUNDS = {
 SIDE_ROWS = (70, 5)  # a later round's two sequences, both starting from the first sequence's state after chunk 2
 
 
-def layer_calls(pieces, outside: bool = True) -> list[CoreCall]:
+def layer_calls(pieces, outside: bool = True, side: bool = True) -> list[CoreCall]:
     """Call j packs piece j of each sequence; rows numbered sequence after sequence, table indices as in
     `models.tree.core_calls` (call 0 from entries 1..3, or from zeros without `outside`; later calls from the
-    previous call's finals), then one call of a second round whose two sequences start from one entry: the first
-    sequence's state at the end of its first piece."""
+    previous call's finals), then with `side` one call of a second round whose two sequences start from one entry:
+    the first sequence's state at the end of its first piece."""
     starts = offsets([p[-1][1] for p in pieces])[:-1]
     table = 4 if outside else 1
     calls = []
@@ -45,6 +46,8 @@ def layer_calls(pieces, outside: bool = True) -> list[CoreCall]:
         calls.append(CoreCall(gather=gather, cu_seqlens=offsets([r.size for r in rows]), init_state=init,
                               output_pos=np.arange(gather.size), round=0, sequence=np.array(seqs), first_state=table))
         table += len(seqs)
+    if not side:
+        return calls
     first = calls[0].first_state
     side = np.arange(sum(SIDE_ROWS)) % calls[0].gather.size
     calls.append(CoreCall(gather=side, cu_seqlens=offsets(SIDE_ROWS), init_state=np.array([first, first]),
@@ -152,9 +155,10 @@ def test_fla_calls_refuse_what_fla_cannot_run(planned, runs, head_dim, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
 @pytest.mark.parametrize("recomputing", [False, True], ids=["kept layer", "recomputed layer"])
 @pytest.mark.parametrize("own_kernels", [True, False], ids=["in place", "dispatched"])
+@pytest.mark.parametrize("side", [False, True], ids=["one round", "shared start"])
 @pytest.mark.parametrize("outside", [True, False], ids=["outside states", "zero start"])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
-def test_fla_calls_match_call_by_call_bitwise(pieces, outside, own_kernels, recomputing, monkeypatch):
+def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels, recomputing, monkeypatch):
     """Also with the recurrences through fla's dispatched wrappers, as where another fla backend is active
     (`models.ops.kda.recurrence`), and in a layer's recomputation, where both paths keep what their backward
     would compute again (`models.recompute.in_recomputed_part`): the same bits as when they recompute it. The
@@ -165,7 +169,7 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, own_kernels, reco
     monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
-    calls = core_call_tensors(layer_calls(pieces, outside), B, 4 if outside else 1, "cuda")
+    calls = core_call_tensors(layer_calls(pieces, outside, side), B, 4 if outside else 1, "cuda")
     T = sum(calls.call_rows)
     x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)
     x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks
@@ -191,5 +195,8 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, own_kernels, reco
     assert torch.equal(o, o_ref) and torch.equal(table, table_ref)
     assert torch.equal(o_kept, o_ref) and torch.equal(table_kept, table_ref)
     for name, g in grads_ref.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-2, atol=1e-3, msg=name)
+        if side:
+            torch.testing.assert_close(grads[name], g, rtol=1e-2, atol=1e-3, msg=name)
+        else:
+            assert torch.equal(grads[name], g), name
         assert torch.equal(grads_kept[name], g), f"{name}, call by call, kept"
