@@ -21,7 +21,9 @@ WY factors, gated q/k, chunk states and new values (`Kept`), as `models.ops.kda.
 runs neither `recompute_w_u_fwd` nor the forward recurrence again.
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
-dispatch; here it is about 7 and 10 per layer plus 1 forward and 2 backward per call. Tree layers on SWE-like steps
+dispatch; here it is about 7 and 10 per layer plus, per call, the recurrence and, where its pieces do not all
+start from zeros, a gather of their initial states (forward and backward) and a sorted add of their gradients into
+the table's (several small launches; contiguous runs as table slices would spare them). Tree layers on SWE-like steps
 hold up to 27 calls of a few hundred rows each (issue #17), where the host, not the GPU, set the pace. One autograd
 Function for all calls also leaves no per-round concatenation of outputs and input gradients.
 
