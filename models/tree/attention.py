@@ -72,12 +72,6 @@ class TreeAttentionLayout:
         pre_q = self.pre[: self.pre.shape[0] - self.context_rows, None]
         return (self.pre[None, :] <= pre_q) & (pre_q < self.pre_end[None, :])
 
-    def to(self, device) -> "TreeAttentionLayout":
-        return TreeAttentionLayout(
-            self.pre.to(device), self.pre_end.to(device), self.kv_index.to(device), [g.to(device) for g in self.groups],
-            self.context_rows,
-        )
-
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[1], dim=1)

@@ -22,7 +22,6 @@ adds their gradients, as flat attention would.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,6 @@ import torch
 from models.ops.segment_sum import SegmentPlan, add_segment_sums
 from models.ops.varlen_attention import pads_values, varlen_kernels
 from models.ops.varlen_attention.kernel_args import pad_to
-from models.tree.device_copy import device_views
 from models.tree.regions import region
 
 __all__ = ["BranchGroup", "branch_attention", "branch_groups"]
@@ -59,21 +57,17 @@ class BranchGroup:
     own_rows: bool = False
     sums: SegmentPlan | None = None
 
-    def to(self, device) -> "BranchGroup":
-        return BranchGroup(self.rows, self.kv, self.cu_q.to(device), self.cu_kv.to(device), self.max_q, self.max_kv,
-                           self.own_rows, None if self.sums is None else self.sums.to(device))
-
-
-def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, kv_index: np.ndarray,
-                  device=None) -> list[BranchGroup]:
+def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, kv_index: np.ndarray
+                  ) -> list[BranchGroup]:
     """Split branches (queries `cu_q`, views `cu_kv`, both [N+1] on the host) into consecutive groups whose views hold
     at most `max_view_rows` rows (a longer single view forms a group of its own); `kv_index` [A] is the layout's
-    views on the host, from which each gathering group's gradient sums are planned.
+    views on the host, from which each gathering group's gradient sums are planned. Host tensors
+    (`models.tree.device_copy.to_device` moves them).
 
     The layout's contract (`models.tree.layout`, `models.tree.carry_layout`): branch n's view in `kv_index` is its
     ancestors, then `arange(cu_q[n], cu_q[n+1])`, its own physical rows; so a group whose view offsets equal its
     query offsets (no ancestors) has its own query rows as its view (`own_rows`)."""
-    groups, plans, n, N = [], [], 0, cu_q.size - 1
+    groups, n, N = [], 0, cu_q.size - 1
     while n < N:
         m = n + 1
         while m < N and cu_kv[m + 1] - cu_kv[n] <= max_view_rows:
@@ -88,15 +82,11 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, kv_in
             max_q=int(np.diff(q_off).max()),
             max_kv=int(np.diff(kv_off).max()),
             own_rows=own_rows,
+            sums=None if own_rows else SegmentPlan(*(torch.as_tensor(a) for a in SegmentPlan.host_arrays(
+                kv_index[int(cu_kv[n]) : int(cu_kv[m])]))),
         ))
-        plans.append(None if own_rows else [torch.as_tensor(a) for a in
-                                            SegmentPlan.host_arrays(kv_index[int(cu_kv[n]) : int(cu_kv[m])])])
         n = m
-    host = [t for g, p in zip(groups, plans) for t in (g.cu_q, g.cu_kv, *(p or ()))]
-    moved = iter(device_views(host, device))
-    return [dataclasses.replace(g, cu_q=next(moved), cu_kv=next(moved),
-                                sums=None if p is None else SegmentPlan(next(moved), next(moved), next(moved)))
-            for g, p in zip(groups, plans)]
+    return groups
 
 
 def _views(g: BranchGroup, k_CGK: torch.Tensor, v_CGW: torch.Tensor, kv_index: torch.Tensor

@@ -39,6 +39,7 @@ import torch
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import core_calls_and_exports
+from models.tree.device_copy import to_device
 from models.tree.layout import TreeLayout, ancestor_rows
 from planner.calls import ExecutionPlan, build_execution_plan
 from planner.index_arrays import offsets
@@ -64,10 +65,10 @@ Index = torch.Tensor | slice
 """Rows to read: a slice when they are one increasing range (a view), else an int64 tensor on the device."""
 
 
-def _index(rows: np.ndarray, device) -> Index:
+def _index(rows: np.ndarray) -> Index:
     if rows.size and np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)):
         return slice(int(rows[0]), int(rows[0]) + rows.size)
-    return torch.as_tensor(rows, dtype=torch.int64, device=device)
+    return torch.as_tensor(rows, dtype=torch.int64)
 
 
 @dataclass(eq=False)
@@ -218,7 +219,7 @@ def _conv_context(rows: _Rows, plan: ExecutionPlan, width: int, conv_keys: tuple
     return np.stack(out) if out else np.zeros((0, width - 1), dtype=np.int64)
 
 
-def _attention_layout(rows: _Rows, plan: ExecutionPlan, device) -> TreeAttentionLayout:
+def _attention_layout(rows: _Rows, plan: ExecutionPlan) -> TreeAttentionLayout:
     """Ancestor visibility over [C own rows; P context rows]: per part a preorder block [context path; own rows]."""
     C = rows.num_compact
     lengths = np.array([c.size for c in rows.context], dtype=np.int64)
@@ -246,12 +247,12 @@ def _attention_layout(rows: _Rows, plan: ExecutionPlan, device) -> TreeAttention
                               carried_at[i] + b.positions[anc]))
         views.append(np.arange(cu[n], cu[n + 1]))
         kv_lengths.append(anc.size + cu[n + 1] - cu[n])
-    as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+    as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
     kv_index = np.concatenate(views) if views else np.zeros(0, np.int64)
     return TreeAttentionLayout(
         pre=as_t(pre), pre_end=as_t(pre_end),
         kv_index=as_t(kv_index),
-        groups=branch_groups(cu, offsets(kv_lengths), C + int(lengths.sum()), kv_index, device),
+        groups=branch_groups(cu, offsets(kv_lengths), C + int(lengths.sum()), kv_index),
         context_rows=int(lengths.sum()),
     )
 
@@ -346,14 +347,14 @@ def carry_layouts(
     for m, rows in enumerate(locals_):
         plan = rows.plan(exported[m]["state"]) if exported[m]["state"].size else plans[m]
         calls, keep, state_table = core_calls_and_exports(plan)
-        exports = {kind: _index(plan.compact_to_physical[exported[m][kind]], device)
+        exports = {kind: _index(plan.compact_to_physical[exported[m][kind]])
                    for kind in KINDS if kind != "state" and exported[m][kind].size}
         if state_table.size:
             exports["state"] = tuple(state_table.tolist())
         imports = {}
         for kind, (slot, local) in resolved[m].items():
             cut = np.flatnonzero(np.diff(slot)) + 1
-            runs = [(int(s[0]), _index(np.searchsorted(exported[int(s[0])][kind], loc), device))
+            runs = [(int(s[0]), _index(np.searchsorted(exported[int(s[0])][kind], loc)))
                     for s, loc in zip(np.split(slot, cut), np.split(local, cut)) if s.size]
             if runs:
                 imports[kind] = runs
@@ -364,8 +365,9 @@ def carry_layouts(
         layout = TreeLayout.assemble(
             plan, (calls, keep), cat("tokens"), cat("positions"), cat("multiplicity"),
             (plan.seq_row_offsets, _conv_context(rows, plan, conv_size, needs[m]["conv"])),
-            _attention_layout(rows, plan, device),
-            logit_row, target, device, carried_replay_rows=int(plan.external_context.size),
+            _attention_layout(rows, plan),
+            logit_row, target, carried_replay_rows=int(plan.external_context.size),
         )
-        out.append(CarryLayout(rows.parts, layout, CarryLinks(exports, imports), plan, scored, rows.num_compact))
+        layout, links = to_device((layout, CarryLinks(exports, imports)), device)
+        out.append(CarryLayout(rows.parts, layout, links, plan, scored, rows.num_compact))
     return out

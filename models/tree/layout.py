@@ -16,13 +16,13 @@ from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
-from models.tree.device_copy import device_views
+from models.tree.device_copy import to_device
 from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
 
-__all__ = ["CoreCallTensors", "CoreCalls", "TreeLayout", "core_call_tensors", "ancestor_rows", "build_attention_layout",
-           "conv_context_rows", "row_reader"]
+__all__ = ["CoreCallTensors", "CoreCalls", "TreeLayout", "ancestor_rows", "build_attention_layout", "conv_context_rows",
+           "row_reader"]
 
 
 def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
@@ -41,9 +41,9 @@ def ancestor_rows(batch: CompactBatch, row: int) -> np.ndarray:
 
 def build_attention_layout(
     batch: CompactBatch, physical_to_compact: np.ndarray, compact_to_physical: np.ndarray, cu_seqlens: np.ndarray,
-    device=None, max_view_rows: int | None = None,
+    max_view_rows: int | None = None,
 ) -> TreeAttentionLayout:
-    """TreeAttentionLayout for rows in physical order.
+    """TreeAttentionLayout for rows in physical order, on the host (`models.tree.device_copy.to_device` moves it).
 
     Args:
         batch: the packed microbatch (compact rows in trie preorder).
@@ -64,13 +64,13 @@ def build_attention_layout(
         views.append(np.arange(cu[n], cu[n + 1]))
         kv_lengths.append(anc.size + cu[n + 1] - cu[n])
     cu_kv = offsets(kv_lengths)
-    as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+    as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
     kv_index = np.concatenate(views) if views else np.zeros(0, np.int64)
     return TreeAttentionLayout(
         pre=as_t(physical_to_compact),
         pre_end=as_t(batch.subtree_end[physical_to_compact]),
         kv_index=as_t(kv_index),
-        groups=branch_groups(cu, cu_kv, max_view_rows or physical_to_compact.size, kv_index, device),
+        groups=branch_groups(cu, cu_kv, max_view_rows or physical_to_compact.size, kv_index),
     )
 
 
@@ -97,20 +97,20 @@ def conv_context_rows(
     return out
 
 
-def row_reader(index: np.ndarray, rows: int, device) -> RowGather | slice | None:
+def row_reader(index: np.ndarray, rows: int) -> RowGather | slice | None:
     """Reading rows `index` of a source of `rows` rows: None when that is the whole source in order, a slice (a view)
     when it is one contiguous increasing range, else a `RowGather`."""
     if index.size and np.array_equal(index, np.arange(index[0], index[0] + index.size)):
         if index[0] == 0 and index.size == rows:
             return None
         return slice(int(index[0]), int(index[0]) + index.size)
-    return RowGather.build(index, rows, device)
+    return RowGather.build(index, rows)
 
 
 @dataclass
 class CoreCallTensors:
-    """One linear-attention kernel call (`models.tree.core_calls.CoreCall`) on a device; its input rows are the
-    call's part of the layer's calls' rows (`CoreCalls.row_bounds`)."""
+    """One linear-attention kernel call (`models.tree.core_calls.CoreCall`); its input rows are the call's part of
+    the layer's calls' rows (`CoreCalls.row_bounds`)."""
 
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
@@ -118,7 +118,10 @@ class CoreCallTensors:
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
     init_index: torch.Tensor | None
-    """`init_state` as an int64 tensor (on the device after `core_call_tensors`), None with it."""
+    """`init_state` as an int64 tensor, None with it."""
+    init_run: slice | None
+    """`init_state` as a slice of the table when its entries are one increasing run (a call continuing one cut
+    sequence: a view, no gather, and its gradient added without a sort), else None."""
     first_state: int
     """The table index of its first final state (the others follow in piece order)."""
     chunk_indices: torch.Tensor
@@ -131,15 +134,18 @@ class CoreCallTensors:
 
     @staticmethod
     def build(call: CoreCall, chunk_size: int) -> "CoreCallTensors":
-        """On the host (`core_call_tensors` moves the index tensors to the device)."""
+        """On the host (`models.tree.device_copy.to_device` moves the tensors but `cu_seqlens_cpu`)."""
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
         zeros = not call.init_state.any()
+        first = int(call.init_state[0])
+        run = np.array_equal(call.init_state, np.arange(first, first + call.init_state.size))
         return CoreCallTensors(
             cu_seqlens=cu,
             cu_seqlens_cpu=cu,
             init_state=None if zeros else tuple(call.init_state.tolist()),
             init_index=None if zeros else torch.as_tensor(call.init_state, dtype=torch.int64),
+            init_run=slice(first, first + call.init_state.size) if run and not zeros else None,
             first_state=int(call.first_state),
             chunk_indices=torch.as_tensor(indices),
             chunk_offsets=torch.as_tensor(first),
@@ -187,8 +193,8 @@ class CoreCalls:
 
     @staticmethod
     def build(calls: list[CoreCall], chunk_size: int, table_start: int) -> "CoreCalls":
-        """From a layer's calls in order, on the host (`core_call_tensors` moves the index tensors); `table_start` =
-        1 + Y, the table index of the first call's first final state."""
+        """From a layer's calls in order, on the host (`models.tree.device_copy.to_device` moves them); `table_start`
+        = 1 + Y, the table index of the first call's first final state."""
         table = table_start
         for call in calls:
             assert call.first_state == table and (call.init_state < table).all(), \
@@ -202,21 +208,6 @@ class CoreCalls:
             chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size,
             table_size=table, rounds=len({c.round for c in calls}),
         )
-
-
-_DEVICE_INDEX_FIELDS = {CoreCalls: ("cu_seqlens", "chunk_indices", "chunk_offsets"),
-                        CoreCallTensors: ("cu_seqlens", "init_index", "chunk_indices", "chunk_offsets")}
-
-
-def core_call_tensors(calls: list[CoreCall], chunk_size: int, table_start: int, device) -> CoreCalls:
-    """`CoreCalls.build` with the index tensors on `device` in one copy (`models.tree.device_copy`: 3-4 of them per
-    call)."""
-    built = CoreCalls.build(calls, chunk_size, table_start)
-    slots = [(obj, name) for obj in (built, *built.calls) for name in _DEVICE_INDEX_FIELDS[type(obj)]
-             if getattr(obj, name) is not None]
-    for (obj, name), t in zip(slots, device_views([getattr(obj, name) for obj, name in slots], device)):
-        setattr(obj, name, t)
-    return built
 
 
 @dataclass
@@ -279,7 +270,7 @@ class TreeLayout:
         return TreeLayout.assemble(
             plan, (calls, keep), batch.tokens[p2c], batch.positions[p2c], batch.multiplicity[p2c],
             (pieces, np.where(history >= 0, keep[np.maximum(history, 0)], -1)),
-            build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets, device), logit_row, batch.sem_tokens,
+            build_attention_layout(batch, p2c, c2p, plan.seq_row_offsets), logit_row, batch.sem_tokens,
             device, mixer_on_calls=True,
         )
 
@@ -295,25 +286,27 @@ class TreeLayout:
         over the mixer's rows with their history (cu [N+1], history [N, W-1] as `conv_context_rows` gives, in the
         mixer's rows), the attention layout, per position [S] logit row (physical, -1 none) and target.
         `mixer_on_calls`: the linear-attention mixers run on the calls' rows (`mixer_rows`), else on the physical
-        rows, with the calls reading `carried_replay_rows` rows after the C physical ones (prefix carry)."""
+        rows, with the calls reading `carried_replay_rows` rows after the C physical ones (prefix carry). Built on
+        the host and moved to `device` (None: left there) in one copy per dtype (`models.tree.device_copy`)."""
         calls, keep = calls
         if mixer_on_calls and carried_replay_rows:
             raise ValueError("carried replay rows need the mixer on the physical rows (mixer_on_calls=False)")
-        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
         gather = np.concatenate([c.gather for c in calls])
-        gathered = row_reader(gather, tokens.size + carried_replay_rows, device)
-        return TreeLayout(
+        gathered = row_reader(gather, tokens.size + carried_replay_rows)
+        layout = TreeLayout(
             tokens=as_t(tokens),
             positions=as_t(positions),
-            row_weight=torch.as_tensor(multiplicity, dtype=torch.float64, device=device),
+            row_weight=torch.as_tensor(multiplicity, dtype=torch.float64),
             mixer_rows=gathered if mixer_on_calls else None,
             seq_cu=as_t(conv[0]),
-            conv_fix=RecomputedRows.build(*conv, device),
-            linear_calls=core_call_tensors(calls, plan.chunk_size, 1 + int(plan.external_state_context.size), device),
+            conv_fix=RecomputedRows.build(*conv),
+            linear_calls=CoreCalls.build(calls, plan.chunk_size, 1 + int(plan.external_state_context.size)),
             linear_gather=None if mixer_on_calls else gathered,
-            linear_keep=row_reader(keep, gather.size, device),
+            linear_keep=row_reader(keep, gather.size),
             attention=attention,
             logit_row=as_t(logit_row),
             target=as_t(target),
             chunk_size=plan.chunk_size,
         )
+        return layout if device is None else to_device(layout, device)

@@ -38,8 +38,9 @@ class RowGather:
     repeat_row: torch.Tensor
 
     @staticmethod
-    def build(index: np.ndarray, rows: int, device=None) -> "RowGather":
-        """From a host index [T] into a source of `rows` rows."""
+    def build(index: np.ndarray, rows: int) -> "RowGather":
+        """From a host index [T] into a source of `rows` rows (host tensors: `models.tree.device_copy.to_device`
+        moves them)."""
         index = np.asarray(index, dtype=np.int64)
         read, first_pos = np.unique(index, return_index=True)
         first = np.zeros(rows, dtype=np.int64)
@@ -49,7 +50,7 @@ class RowGather:
         repeat = np.ones(index.size, dtype=bool)
         repeat[first_pos] = False
         repeat_pos = np.flatnonzero(repeat)
-        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
         return RowGather(as_t(index), as_t(first), as_t(np.flatnonzero(unread)), as_t(repeat_pos),
                          as_t(index[repeat_pos]))
 

@@ -55,10 +55,11 @@ class RecomputedRows:
     target: torch.Tensor
 
     @staticmethod
-    def build(cu_seqlens: np.ndarray, history: np.ndarray, device=None) -> "RecomputedRows | None":
+    def build(cu_seqlens: np.ndarray, history: np.ndarray) -> "RecomputedRows | None":
         """From the packing's sequences `cu_seqlens` [N+1] over the C rows of x and each sequence's history
         `[N, W-1]` (rows of `[x; extra]` preceding its first row, oldest first, -1 = none: a missing row is zeros).
-        None when no sequence has history (a flat packing): the restarted convolution alone is exact."""
+        None when no sequence has history (a flat packing): the restarted convolution alone is exact. Host tensors
+        (`models.tree.device_copy.to_device` moves them, `cu_seqlens_cpu` staying)."""
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         history = np.asarray(history, dtype=np.int64)
         rows, lengths, keep, target = [], [], [], []
@@ -77,10 +78,10 @@ class RecomputedRows:
             return None
         rows, C = np.concatenate(rows), int(cu[-1])
         own_pos, extra_pos = np.flatnonzero(rows < C), np.flatnonzero(rows >= C)
-        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(device)  # noqa: E731
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
         cu_small = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         return RecomputedRows(as_t(rows), as_t(own_pos), as_t(rows[own_pos]), as_t(extra_pos),
-                              as_t(rows[extra_pos] - C), cu_small.to(device), cu_small, as_t(np.concatenate(keep)),
+                              as_t(rows[extra_pos] - C), cu_small, cu_small, as_t(np.concatenate(keep)),
                               as_t(np.concatenate(target)))
 
 

@@ -22,8 +22,9 @@ runs neither `recompute_w_u_fwd` nor the forward recurrence again.
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
 dispatch; here it is about 7 and 10 per layer plus, per call, the recurrence and, where its pieces do not all
-start from zeros, a gather of their initial states (forward and backward) and a sorted add of their gradients into
-the table's (several small launches; contiguous runs as table slices would spare them). Tree layers on SWE-like steps
+start from zeros, their initial states and the add of their gradients into the table's: a view and one add where
+the states are one run of table entries (a call continuing a cut sequence), else a gather and a sorted add
+(several small launches each). Tree layers on SWE-like steps
 hold up to 27 calls of a few hundred rows each (issue #17), where the host, not the GPU, set the pace. One autograd
 Function for all calls also leaves no per-round concatenation of outputs and input gradients.
 
@@ -59,6 +60,14 @@ class Kept(NamedTuple):
     v_new: torch.Tensor
 
 
+def _initial_states(table: torch.Tensor, call) -> torch.Tensor | None:
+    """A call's initial states `[N_j, HV, K, V]` from the table: a view where they are one run of entries, else a
+    gather; None for zeros."""
+    if call.init_index is None:
+        return None
+    return table[call.init_run] if call.init_run is not None else table[call.init_index]
+
+
 def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_finals: bool):
     """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` (each call writing
     its chunks and rows in place, `models.ops.kda.recurrence`), each call's initial states read from `table`
@@ -72,7 +81,7 @@ def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_fi
         finals = table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1]
         fwd_h_into(
             h[:, part], v_new[:, piece], k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece],
-            initial_state=None if call.init_index is None else table[call.init_index],
+            initial_state=_initial_states(table, call),
             final_state=finals if write_finals else None, cu_seqlens=call.cu_seqlens,
             cu_seqlens_cpu=call.cu_seqlens_cpu, chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
             chunk_size=calls.chunk_size,
@@ -127,12 +136,14 @@ def kda_calls_bwd(q, k, v, g_cum, beta, Aqk, Akk, table, scale: float, do, d_tab
         call, piece, part = calls.calls[j], slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
         dh0 = bwd_dhu_into(
             dh[:, part], dv2[:, piece], q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece],
-            dv=dv[:, piece], gk=g_cum[:, piece], h0=None if call.init_index is None else table[call.init_index],
+            dv=dv[:, piece], gk=g_cum[:, piece], h0=_initial_states(table, call),
             dht=d_table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1].contiguous(),
             scale=scale, cu_seqlens=call.cu_seqlens, chunk_indices=call.chunk_indices,
             chunk_offsets=call.chunk_offsets, chunk_size=B,
         )
-        if dh0 is not None:  # sorted accumulation: deterministic where pieces share a start
+        if dh0 is not None and call.init_run is not None:
+            d_table[call.init_run] += dh0
+        elif dh0 is not None:  # sorted accumulation: deterministic where pieces share a start
             d_table.index_put_((call.init_index,), dh0, accumulate=True)
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv2,

@@ -32,6 +32,3 @@ class SegmentPlan:
         counts = np.bincount(index) if index.size else np.zeros(0, np.int64)
         rows = np.flatnonzero(counts)
         return rows, np.argsort(index, kind="stable"), np.concatenate([[0], np.cumsum(counts[rows])]).astype(np.int64)
-
-    def to(self, device) -> "SegmentPlan":
-        return SegmentPlan(self.rows.to(device), self.order.to(device), self.offsets.to(device))

@@ -12,6 +12,7 @@ from models.ops.conv.naive import naive_causal_conv1d
 from models.ops.conv.recomputed_rows import (
     RecomputedRows, RecomputedRowsConv, conv_recomputed_rows, naive_conv_recomputed_rows,
 )
+from models.tree.device_copy import to_device
 
 W = 4
 LENGTHS = [5, 2, 9, 1, 3, 7]
@@ -28,7 +29,7 @@ def inputs(groups, dtype, device="cpu", seed=0):
     weight = torch.randn(X, W, generator=gen, dtype=torch.float64)
     cu = np.concatenate([[0], np.cumsum(LENGTHS)])
     return ([t.to(device, dtype).requires_grad_() for t in (x, extra, weight)],
-            torch.as_tensor(cu, device=device), RecomputedRows.build(cu, HISTORY, device))
+            torch.as_tensor(cu, device=device), to_device(RecomputedRows.build(cu, HISTORY), device))
 
 
 def with_initial_state(x, extra, weight, groups, cu):

@@ -12,7 +12,8 @@ from models.kda import KimiDeltaAttention
 from models.linear_attention import CoreInputs
 from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.core_calls import CoreCall
-from models.tree.layout import CoreCalls, core_call_tensors
+from models.tree.device_copy import to_device
+from models.tree.layout import CoreCalls
 from planner.index_arrays import offsets
 from tests.models.ops.delta_rule_cases import make_inputs
 
@@ -73,13 +74,14 @@ def test_calls_layout_names_each_piece_s_table_entry():
     assert [c.init_state for c in calls.calls] == [(1, 2, 3), (4, 5), (7,), (4, 4)]
     assert [c.first_state for c in calls.calls] == [4, 7, 9, 10] and calls.rounds == 2 and calls.outside_states == 3
     assert calls.calls[1].init_index.tolist() == [4, 5]
+    assert [c.init_run for c in calls.calls] == [slice(1, 4), slice(4, 6), slice(7, 8), None]  # (4, 4): a gather
     zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False), B, table_start=1)
     assert zeros.calls[0].init_state is None and zeros.calls[0].init_index is None and zeros.outside_states == 0
 
 
 def test_call_index_tensors_move_to_the_device_in_one_buffer():
-    host = core_call_tensors(layer_calls(ROUNDS["dropping"]), B, 4, "cpu")
-    moved = core_call_tensors(layer_calls(ROUNDS["dropping"]), B, 4, "meta")
+    host = CoreCalls.build(layer_calls(ROUNDS["dropping"]), B, 4)
+    moved = to_device(host, "meta")
     for a, b in [(host, moved), *zip(host.calls, moved.calls)]:
         for name in ("cu_seqlens", "chunk_indices", "chunk_offsets", "init_index"):
             x, y = getattr(a, name, None), getattr(b, name, None)
@@ -169,7 +171,7 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
     monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
-    calls = core_call_tensors(layer_calls(pieces, outside, side), B, 4 if outside else 1, "cuda")
+    calls = to_device(CoreCalls.build(layer_calls(pieces, outside, side), B, 4 if outside else 1), "cuda")
     T = sum(calls.call_rows)
     x = make_inputs(1, T, 16, 16, 128, 128, True, torch.float32, N=3)
     x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.tree.attention import tree_attention
+from models.tree.device_copy import to_device
 from models.tree.layout import build_attention_layout
 from planner.index_arrays import inverse_permutation
 from planner.pack import pack
@@ -155,7 +156,7 @@ def test_branch_groups_on_cuda(K, V, cuda_attention_pair):
     trajectories = [Trajectory(np.concatenate([prefix[:cut], rng.integers(0, 50, 200)])) for cut in (300, 300, 120, 7)]
     batch = pack(trajectories)
     phys, layout = segment_order_layout(batch, 0, max_view_rows=400)
-    layout = layout.to("cuda")
+    layout = to_device(layout, "cuda")
     assert len(layout.groups) > 1
     g = torch.Generator(device="cuda").manual_seed(0)
     C = batch.num_compact
