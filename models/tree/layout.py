@@ -138,14 +138,14 @@ class CoreCallTensors:
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
         zeros = not call.init_state.any()
-        first = int(call.init_state[0])
-        run = np.array_equal(call.init_state, np.arange(first, first + call.init_state.size))
+        start = int(call.init_state[0])
+        run = np.array_equal(call.init_state, np.arange(start, start + call.init_state.size))
         return CoreCallTensors(
             cu_seqlens=cu,
             cu_seqlens_cpu=cu,
             init_state=None if zeros else tuple(call.init_state.tolist()),
             init_index=None if zeros else torch.as_tensor(call.init_state, dtype=torch.int64),
-            init_run=slice(first, first + call.init_state.size) if run and not zeros else None,
+            init_run=slice(start, start + call.init_state.size) if run and not zeros else None,
             first_state=int(call.first_state),
             chunk_indices=torch.as_tensor(indices),
             chunk_offsets=torch.as_tensor(first),

@@ -75,6 +75,10 @@ def test_calls_layout_names_each_piece_s_table_entry():
     assert [c.first_state for c in calls.calls] == [4, 7, 9, 10] and calls.rounds == 2 and calls.outside_states == 3
     assert calls.calls[1].init_index.tolist() == [4, 5]
     assert [c.init_run for c in calls.calls] == [slice(1, 4), slice(4, 6), slice(7, 8), None]  # (4, 4): a gather
+    for call, pieces in zip(calls.calls, ([0, 128, 192, 232], [0, 128, 256], [0, 77], [0, 70, 75])):
+        assert call.cu_seqlens.tolist() == call.cu_seqlens_cpu.tolist() == pieces
+        indices, first = fla_chunk_arrays(np.array(pieces), B)
+        assert call.chunk_indices.tolist() == indices.tolist() and call.chunk_offsets.tolist() == first.tolist()
     zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False), B, table_start=1)
     assert zeros.calls[0].init_state is None and zeros.calls[0].init_index is None and zeros.outside_states == 0
 
