@@ -152,6 +152,7 @@ class LinearAttention(nn.Module):
         if self.calls_op is not None and use_fla(inputs.v):
             return self.calls_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, calls, outside,
                                  self.chunk_size)
+        calls.check_outside(outside)
         state_dtype = upcast(inputs.v.dtype)
         HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
         table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each
@@ -159,9 +160,6 @@ class LinearAttention(nn.Module):
             table.extend(outside.to(state_dtype).unbind(0))
         pieces = [t.split(calls.call_rows) for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)]
         outputs = []
-        if len(table) != 1 + calls.outside_states:
-            raise ValueError(f"the calls read {calls.outside_states} outside state(s) (table entries 1..Y), got "
-                             f"{len(table) - 1}")
         for j, call in enumerate(calls.calls):
             o, final = self.core(CoreInputs(*(p[j] for p in pieces)), call.cu_seqlens, call.cu_seqlens_cpu,
                                  call.initial_states(table), True)

@@ -191,6 +191,13 @@ class CoreCalls:
         """Y: the table entries from outside (1..Y)."""
         return self.calls[0].first_state - 1 if self.calls else self.table_size - 1
 
+    def check_outside(self, outside: torch.Tensor | None) -> int:
+        """Y of `outside` (`[Y, HV, K, V]`, None: 0), refused unless the calls read exactly that many entries."""
+        Y = 0 if outside is None else outside.shape[0]
+        if Y != self.outside_states:
+            raise ValueError(f"the calls read {self.outside_states} outside state(s) (table entries 1..Y), got {Y}")
+        return Y
+
     @staticmethod
     def build(calls: list[CoreCall], chunk_size: int, table_start: int) -> "CoreCalls":
         """From a layer's calls in order, on the host (`models.tree.device_copy.to_device` moves them); `table_start`

@@ -203,9 +203,7 @@ def fla_kda_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"the calls are planned for chunk size {calls.chunk_size} and the mixer runs {chunk_size}; "
                          "the fla KDA path needs them equal")
     check_fla_kda_limits(chunk_size, q.shape[-1])
-    Y = 0 if outside is None else outside.shape[0]
-    if Y != calls.outside_states:
-        raise ValueError(f"the calls read {calls.outside_states} outside state(s) (table entries 1..Y), got {Y}")
+    Y = calls.check_outside(outside)
     q, k, v_, g, beta = (t[None].contiguous() for t in (q, k, v, g, beta))
     check_delta_rule_shapes(q, k, v_, g, beta, outside, Y, True)
     outside = None if outside is None else outside.float().contiguous()

@@ -206,3 +206,16 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
         else:
             assert torch.equal(grads[name], g), name
         assert torch.equal(grads_kept[name], g), f"{name}, call by call, kept"
+
+
+@pytest.mark.parametrize("outside", [None, 2], ids=["none for three", "two for three"])
+def test_calls_refuse_outside_states_that_do_not_match_the_table(outside):
+    """Both paths (the call-by-call reference here, `fla_kda_calls` through the same `CoreCalls.check_outside`)
+    refuse outside states other than the table's entries 1..Y."""
+    calls = CoreCalls.build(layer_calls(ROUNDS["single call"]), B, table_start=4)
+    mixer = KimiDeltaAttention(KDAConfig(num_heads=2, head_dim=8, chunk_size=B), hidden_size=16, eps=1e-5).double()
+    T = sum(calls.call_rows)
+    inputs = CoreInputs(*(torch.zeros(T, 2, *shape, dtype=torch.float64) for shape in ((8,), (8,), (8,), (8,), ())))
+    states = None if outside is None else torch.zeros(outside, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="the calls read 3 outside state"):
+        mixer.core_calls(inputs, calls, states)
