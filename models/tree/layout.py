@@ -17,6 +17,7 @@ from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
 from models.tree.device_copy import to_device
+from models.tree.round_chains import RoundChains
 from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
@@ -163,7 +164,8 @@ class CoreCalls:
 
     calls: the calls in order; call_rows: their input rows. cu_seqlens, chunk_indices, chunk_offsets: every piece of
     every call as one packed sequence each, on the device, with fla's chunk bookkeeping (`models.ops.kda.calls`).
-    table_size: 1 + Y + all calls' pieces. rounds: the plan's rounds the calls came from (for reports).
+    table_size: 1 + Y + all calls' pieces. chains: the same pieces per plan round, each sequence's pieces as one
+    chain (`models.tree.round_chains`: a round in one launch).
     """
 
     calls: list[CoreCallTensors]
@@ -173,7 +175,12 @@ class CoreCalls:
     chunk_offsets: torch.Tensor
     chunk_size: int
     table_size: int
-    rounds: int
+    chains: list[RoundChains]
+
+    @property
+    def rounds(self) -> int:
+        """The plan's rounds the calls came from."""
+        return len(self.chains)
 
     @property
     def row_bounds(self) -> list[int]:
@@ -209,11 +216,13 @@ class CoreCalls:
             table += call.num_sequences
         cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
         indices, first = fla_chunk_arrays(cu, chunk_size)
+        tensors = [CoreCallTensors.build(c, chunk_size) for c in calls]
+        rows = [int(c.gather.size) for c in calls]
+        chunk_bounds = offsets([t.chunk_indices.shape[0] for t in tensors]).tolist()
         return CoreCalls(
-            calls=[CoreCallTensors.build(c, chunk_size) for c in calls],
-            call_rows=[int(c.gather.size) for c in calls], cu_seqlens=torch.as_tensor(cu),
-            chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size,
-            table_size=table, rounds=len({c.round for c in calls}),
+            calls=tensors, call_rows=rows, cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
+            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size, table_size=table,
+            chains=RoundChains.build(calls, offsets(rows).tolist(), chunk_bounds, chunk_size),
         )
 
 

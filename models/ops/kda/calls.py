@@ -1,5 +1,5 @@
-"""fla fast path for a tree layer's KDA kernel calls (CUDA): fla's chunk kernels once over all calls, only the two
-state recurrences call by call.
+"""fla fast path for a tree layer's KDA kernel calls (CUDA): fla's chunk kernels once over all calls, the two
+state recurrences once per plan round.
 
 Legend: T the calls' rows (call after call), P pieces (all calls' sequences), N_j call j's sequences, M state-table
 entries, NT chunks, H query/key heads, HV value heads, K/V head dims.
@@ -10,23 +10,24 @@ call's final state: the same sequence's previous piece, or a side branch's chunk
 behind `fla.ops.kda.chunk_kda`, only the forward state recurrence (`chunk_gated_delta_rule_fwd_h`) and its backward
 (`chunk_gated_delta_rule_bwd_dhu`) carry anything from chunk to chunk. Everything else (the gate's cumsum, the
 intra-chunk WY terms, the outputs, dq/dk/dv/dg) works chunk by chunk, so it runs once over all the calls' rows with
-every piece as its own packed sequence. The recurrences run per call, in order forward and in reverse backward, each
-call's initial states read from the table and its final states written into it; backward adds each call's
-initial-state gradient into the table's gradient, which later becomes the `dht` of the calls that produced those
-entries. Chunk states and values are written into the layer's buffers in place (`models.ops.kda.recurrence`). Each
-kernel then sees exactly the chunks and states that `chunk_kda` call by call gives it, so the outputs and states are
-the same, bit for bit (`tests/models/ops/test_kda_calls.py` on the H200, the in-place writes and the dispatched
-wrappers alike). In a layer that backward recomputes (`models.recompute.in_recomputed_part`) the forward saves the
-WY factors, gated q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward
-runs neither `recompute_w_u_fwd` nor the forward recurrence again.
+every piece as its own packed sequence. The recurrences run once per round of the plan (`models.ops.kda.chains`:
+fla's kernels with each sequence's pieces as one chain, `CoreCalls.chains`), in order forward and in reverse
+backward: each sequence starts from its table entry, the state after each of its pieces is written to the piece's
+entry, and backward adds each sequence's initial-state gradient into the table's gradient, which a piece's state
+gradient starts from in an earlier round. Where fla's dispatch would run another implementation of the recurrences
+they run call by call through it (`models.ops.kda.recurrence`). Chunk states and values are written into the
+layer's buffers in place. The forward's kernels see exactly the chunks and states that `chunk_kda` call by call
+gives them, so the outputs and states are the same, bit for bit (`tests/models/ops/test_kda_calls.py` on the H200).
+In a layer that backward recomputes (`models.recompute.in_recomputed_part`) the forward saves the WY factors, gated
+q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward runs neither
+`recompute_w_u_fwd` nor the forward recurrence again.
 
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
-dispatch; here it is about 7 and 10 per layer plus, per call, the recurrence and, where its pieces do not all
-start from zeros, their initial states and the add of their gradients into the table's: a view and one add where
-the states are one run of table entries (a call continuing a cut sequence), else a gather and a sorted add
-(several small launches each). Tree layers on SWE-like steps
-hold up to 27 calls of a few hundred rows each (issue #17), where the host, not the GPU, set the pace. One autograd
-Function for all calls also leaves no per-round concatenation of outputs and input gradients.
+dispatch; here it is about 7 and 10 per layer plus, per round, the recurrence and, in backward, the add of its
+sequences' initial-state gradients into the table's (one add where they are one run of entries, else a sorted
+add). Tree layers on SWE-like steps hold up to 27 calls of a few hundred rows each (issue #17; the SWE step of
+issue #20: 14 calls in 2 rounds), where the host, not the GPU, set the pace. One autograd Function for all calls also leaves no per-round concatenation of
+outputs and input gradients.
 
 Reference: the call-by-call loop `models.linear_attention.LinearAttention.core_calls`. The fla calls mirror
 `fla.ops.kda.chunk_fwd.chunk_kda_fwd` and `fla.ops.kda.chunk_bwd.chunk_kda_bwd` (fla 0.6.0) with our flags: gates and
@@ -41,7 +42,9 @@ import torch
 
 from models.ops.delta_rule.partition import check_delta_rule_shapes
 from models.ops.kda.chunk import check_fla_kda_limits
-from models.ops.kda.recurrence import bwd_dhu_into, fwd_h_into
+from models.ops.kda.recurrence import (
+    bwd_dhu_dispatched, bwd_dhu_kwargs, default_kernels_run, fwd_h_dispatched, fwd_h_kwargs,
+)
 from models.recompute import in_recomputed_part
 
 if TYPE_CHECKING:
@@ -69,24 +72,70 @@ def _initial_states(table: torch.Tensor, call) -> torch.Tensor | None:
 
 
 def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_finals: bool):
-    """The forward state recurrence call by call: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` (each call writing
-    its chunks and rows in place, `models.ops.kda.recurrence`), each call's initial states read from `table`
-    `[M, HV, K, V]` fp32 and, with `write_finals`, its final states written into it (backward's recomputation reads
-    the table the forward filled)."""
+    """The forward state recurrence: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]`, each sequence starting from its
+    entry of `table` `[M, HV, K, V]` fp32 and, with `write_finals`, the state after each piece written into it
+    (backward's recomputation reads the table the forward filled). Round by round on the chain kernels
+    (`models.ops.kda.chains`), or call by call where fla's dispatch would run another implementation
+    (`models.ops.kda.recurrence`), judged on the first call's arguments (fla 0.6.0's backends judge by mode, flags
+    and device, not by a call's sizes)."""
+    from models.ops.kda.chains import fwd_h_chains
+
     rows, chunks = calls.row_bounds, calls.chunk_bounds
     h = kg.new_empty(1, chunks[-1], u.shape[2], kg.shape[-1], u.shape[-1])
     v_new = torch.empty_like(u)
+
+    def kwargs(j: int) -> dict:
+        call, piece = calls.calls[j], slice(rows[j], rows[j + 1])
+        return fwd_h_kwargs(kg[:, piece], w[:, piece], u[:, piece], g_cum[:, piece], _initial_states(table, call),
+                            write_finals, call, calls.chunk_size)
+
+    if default_kernels_run("chunk_gated_delta_rule_fwd_h", kwargs(0)):
+        for chains in calls.chains:
+            fwd_h_chains(h, v_new, kg, w, u, g_cum, table, chains, calls.chunk_size, store_states=write_finals)
+        return h, v_new
     for j, call in enumerate(calls.calls):
-        piece, part = slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
         finals = table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1]
-        fwd_h_into(
-            h[:, part], v_new[:, piece], k=kg[:, piece], w=w[:, piece], u=u[:, piece], gk=g_cum[:, piece],
-            initial_state=_initial_states(table, call),
-            final_state=finals if write_finals else None, cu_seqlens=call.cu_seqlens,
-            cu_seqlens_cpu=call.cu_seqlens_cpu, chunk_indices=call.chunk_indices, chunk_offsets=call.chunk_offsets,
-            chunk_size=calls.chunk_size,
-        )
+        fwd_h_dispatched(h[:, chunks[j] : chunks[j + 1]], v_new[:, rows[j] : rows[j + 1]],
+                         finals if write_finals else None, kwargs(j))
     return h, v_new
+
+
+def _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale: float, calls: CoreCalls, h_dtype):
+    """The backward state recurrence, in reverse: dh `[1, NT, HV, K, V]` (h_dtype) and dv2 `[1, T, HV, V]`; each
+    piece's state gradient starts from its table entry's gradient in `d_table` `[M, HV, K, V]` fp32, to which every
+    sequence's initial-state gradient is added once its round has run (so a round sees the gradients of every later
+    round that started from its states). Round by round on the chain kernels, or call by call as the forward."""
+    from models.ops.kda.chains import bwd_dhu_chains
+
+    rows, chunks = calls.row_bounds, calls.chunk_bounds
+    dh, dv2 = qg.new_empty(1, chunks[-1], *table.shape[1:], dtype=h_dtype), torch.empty_like(dv)
+
+    def kwargs(j: int) -> dict:
+        call, piece = calls.calls[j], slice(rows[j], rows[j + 1])
+        dht = d_table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1].contiguous()
+        return bwd_dhu_kwargs(qg[:, piece], kg[:, piece], w[:, piece], do[:, piece], dv[:, piece],
+                              g_cum[:, piece], _initial_states(table, call), dht, scale, call, calls.chunk_size)
+
+    if default_kernels_run("chunk_gated_delta_rule_bwd_dhu", kwargs(0)):
+        for chains in reversed(calls.chains):
+            dh0 = bwd_dhu_chains(dh, dv2, qg, kg, w, do, dv, g_cum, d_table, scale, chains, calls.chunk_size)
+            _add_initial_gradients(d_table, chains.grad_entries, dh0)
+        return dh, dv2
+    for j in reversed(range(len(calls.calls))):
+        call = calls.calls[j]
+        dh0 = bwd_dhu_dispatched(dh[:, chunks[j] : chunks[j + 1]], dv2[:, rows[j] : rows[j + 1]], kwargs(j))
+        if dh0 is not None:
+            _add_initial_gradients(d_table, call.init_run if call.init_run is not None else call.init_index, dh0)
+    return dh, dv2
+
+
+def _add_initial_gradients(d_table: torch.Tensor, entries: torch.Tensor | slice | None, dh0: torch.Tensor) -> None:
+    """Add initial-state gradients dh0 `[N, HV, K, V]` to their entries of d_table: one add where the entries are a
+    run (a slice), a sorted accumulation where they are an index (deterministic where sequences share a start)."""
+    if isinstance(entries, slice):
+        d_table[entries] += dh0
+    elif entries is not None:
+        d_table.index_put_((entries,), dh0, accumulate=True)
 
 
 def kda_calls_fwd(q, k, v, g, beta, scale: float, outside, calls: CoreCalls, keep: bool = False):
@@ -115,8 +164,8 @@ def kda_calls_bwd(q, k, v, g_cum, beta, Aqk, Akk, table, scale: float, do, d_tab
                   kept: Kept | None = None):
     """Backward of a layer's calls from `kda_calls_fwd`'s saved tensors, do `[1, T, HV, V]` and d_table
     `[M, HV, K, V]` fp32 (the table's incoming gradient; updated in place): (dq, dk, dv, dg, dbeta, d outside or
-    None). Call j's `dht` is the gradient of its final-state entries once every later call has added its
-    initial-state gradient to the entries it read. Without `kept` the WY factors and the forward recurrence run again
+    None). A piece's state gradient starts from its entry's gradient once every later round has added its
+    initial-state gradients to the entries it read. Without `kept` the WY factors and the forward recurrence run again
     (as fla's backward does)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
@@ -130,21 +179,7 @@ def kda_calls_bwd(q, k, v, g_cum, beta, Aqk, Akk, table, scale: float, do, d_tab
     else:
         w, u, qg, kg, h, v_new = kept
     dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
-    rows, chunks = calls.row_bounds, calls.chunk_bounds
-    dh, dv2 = torch.empty_like(h, dtype=qg.dtype), torch.empty_like(dv)
-    for j in reversed(range(len(calls.calls))):
-        call, piece, part = calls.calls[j], slice(rows[j], rows[j + 1]), slice(chunks[j], chunks[j + 1])
-        dh0 = bwd_dhu_into(
-            dh[:, part], dv2[:, piece], q=qg[:, piece], k=kg[:, piece], w=w[:, piece], do=do[:, piece],
-            dv=dv[:, piece], gk=g_cum[:, piece], h0=_initial_states(table, call),
-            dht=d_table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1].contiguous(),
-            scale=scale, cu_seqlens=call.cu_seqlens, chunk_indices=call.chunk_indices,
-            chunk_offsets=call.chunk_offsets, chunk_size=B,
-        )
-        if dh0 is not None and call.init_run is not None:
-            d_table[call.init_run] += dh0
-        elif dh0 is not None:  # sorted accumulation: deterministic where pieces share a start
-            d_table.index_put_((call.init_index,), dh0, accumulate=True)
+    dh, dv2 = _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale, calls, qg.dtype)
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv2,
         scale=scale, chunk_size=B, chunk_offsets=calls.chunk_offsets, **packed,

@@ -3,6 +3,12 @@
 where two pieces share a start, the gradients to rounding).
 On the host: the calls' layout and fla's chunk bookkeeping computed without fla (`fla_chunk_arrays`)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,49 +17,10 @@ from models.config import KDAConfig
 from models.kda import KimiDeltaAttention
 from models.linear_attention import CoreInputs
 from models.ops.delta_rule.fla_args import fla_chunk_arrays
-from models.tree.core_calls import CoreCall
 from models.tree.device_copy import to_device
 from models.tree.layout import CoreCalls
-from planner.index_arrays import offsets
 from tests.models.ops.delta_rule_cases import make_inputs
-
-B = 64
-# A round of three sequences, as (start, end) rows of each sequence's pieces:
-ROUNDS = {
-    # 333 rows cut at chunks 2 and 4, 192 rows cut at chunk 1, 40 rows uncut: later calls drop sequences.
-    "dropping": [[(0, 128), (128, 256), (256, 333)], [(0, 64), (64, 192)], [(0, 40)]],
-    # every sequence cut once, the second piece one row or several chunks: the calls keep all sequences.
-    "continuing": [[(0, 128), (128, 200)], [(0, 64), (64, 65)], [(0, 192), (192, 400)]],
-    # nothing cut: one call.
-    "single call": [[(0, 100)], [(0, 64)], [(0, 7)]],
-}
-SIDE_ROWS = (70, 5)  # a later round's two sequences, both starting from the first sequence's state after chunk 2
-
-
-def layer_calls(pieces, outside: bool = True, side: bool = True) -> list[CoreCall]:
-    """Call j packs piece j of each sequence; rows numbered sequence after sequence, table indices as in
-    `models.tree.core_calls` (call 0 from entries 1..3, or from zeros without `outside`; later calls from the
-    previous call's finals), then with `side` one call of a second round whose two sequences start from one entry:
-    the first sequence's state at the end of its first piece."""
-    starts = offsets([p[-1][1] for p in pieces])[:-1]
-    table = 4 if outside else 1
-    calls = []
-    for j in range(max(len(p) for p in pieces)):
-        seqs = [s for s, p in enumerate(pieces) if len(p) > j]
-        rows = [np.arange(starts[s] + pieces[s][j][0], starts[s] + pieces[s][j][1]) for s in seqs]
-        init = (np.array([1, 2, 3]) if outside else np.zeros(3, dtype=np.int64)) if j == 0 else \
-            calls[-1].first_state + np.searchsorted(calls[-1].sequence, seqs)
-        gather = np.concatenate(rows)
-        calls.append(CoreCall(gather=gather, cu_seqlens=offsets([r.size for r in rows]), init_state=init,
-                              output_pos=np.arange(gather.size), round=0, sequence=np.array(seqs), first_state=table))
-        table += len(seqs)
-    if not side:
-        return calls
-    first = calls[0].first_state
-    side = np.arange(sum(SIDE_ROWS)) % calls[0].gather.size
-    calls.append(CoreCall(gather=side, cu_seqlens=offsets(SIDE_ROWS), init_state=np.array([first, first]),
-                          output_pos=np.arange(side.size), round=1, sequence=np.arange(2), first_state=table))
-    return calls
+from tests.models.ops.kda_calls_cases import B, ROUNDS, layer_calls
 
 
 def test_fla_chunk_arrays_are_fla_bookkeeping():
@@ -81,6 +48,49 @@ def test_calls_layout_names_each_piece_s_table_entry():
         assert call.chunk_indices.tolist() == indices.tolist() and call.chunk_offsets.tolist() == first.tolist()
     zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False), B, table_start=1)
     assert zeros.calls[0].init_state is None and zeros.calls[0].init_index is None and zeros.outside_states == 0
+
+
+def test_round_chains_are_each_sequence_s_pieces_in_call_order():
+    """`CoreCalls.chains`: per plan round, each sequence's pieces as one chain (rows and chunks among all calls',
+    the entry each piece's final state goes to), starting from its first piece's entry; a round's initial-state
+    gradients go to a run of entries as a slice, to shared entries as an index."""
+    calls = CoreCalls.build(layer_calls(ROUNDS["dropping"]), B, table_start=4)
+    first, side = calls.chains
+    assert first.num_sequences == 3 and first.pieces.tolist() == [0, 3, 5, 6]
+    # sequence 0: call 0 rows [0, 128), call 1 rows [232, 360), call 2 rows [488, 565); sequence 1, then 2
+    assert first.piece_bos.tolist() == [0, 232, 488, 128, 360, 192]
+    assert first.piece_eos.tolist() == [128, 360, 565, 192, 488, 232]
+    assert first.piece_boh.tolist() == [0, 4, 8, 2, 6, 3]
+    assert first.piece_state.tolist() == [4, 7, 9, 5, 8, 6]
+    assert first.init.tolist() == [1, 2, 3] and first.grad_entries == slice(1, 4)
+    assert side.pieces.tolist() == [0, 1, 2] and side.piece_bos.tolist() == [565, 635]
+    assert side.piece_boh.tolist() == [10, 12] and side.piece_state.tolist() == [10, 11]
+    assert side.init.tolist() == [4, 4] and side.grad_entries.tolist() == [4, 4]
+    zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False, side=False), B, table_start=1)
+    assert zeros.rounds == 1 and zeros.chains[0].grad_entries is None
+
+
+def test_round_chains_refuse_a_piece_that_does_not_continue_its_sequence():
+    calls = layer_calls(ROUNDS["continuing"])
+    calls[1].init_state = calls[1].init_state[::-1].copy()  # each second piece starts from another sequence's state
+    with pytest.raises(AssertionError, match="continues its sequence"):
+        CoreCalls.build(calls, B, table_start=4)
+
+
+def test_chain_kernels_match_their_reference_under_triton_s_interpreter():
+    """The chain kernels' Triton code, run on the CPU by Triton's interpreter in a fresh process
+    (`tests.models.ops.chains_interpreted`), against `models.ops.kda.naive_chains`: every output to fp32 rounding
+    relative to its largest magnitude, and the recomputation's chunk states equal to the forward's."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "tests.models.ops.chains_interpreted"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(report) == 24
+    for case, diffs in report.items():
+        assert diffs.pop("recomputation's h - forward's") == 0, case
+        assert diffs and all(d < 2e-6 for d in diffs.values()), (case, diffs)
 
 
 def test_call_index_tensors_move_to_the_device_in_one_buffer():
@@ -128,16 +138,17 @@ class _Backend:
     (_Backend(implements=True, accepts=True, enabled=False), True),
     (_Backend(implements=True, accepts=True), False),
 ])
-def test_in_place_recurrences_run_where_fla_dispatch_would_run_its_own_kernels(backend, default_runs, monkeypatch):
-    """`models.ops.kda.recurrence` launches fla's kernels itself only where fla's dispatch would run them too (so
-    flat's chunk_kda and the tree's rounds run the same implementation), judged as dispatch judges a backend."""
+def test_chain_recurrences_run_where_fla_dispatch_would_run_its_own_kernels(backend, default_runs, monkeypatch):
+    """The tree's calls run the recurrences on the chain variant of fla's kernels (`models.ops.kda.chains`) only
+    where fla's dispatch would run fla's kernels too (so flat's chunk_kda and the tree's rounds run the same
+    arithmetic), judged as dispatch judges a backend (`models.ops.kda.recurrence`)."""
     from fla import backends
 
     from models.ops.kda import recurrence
 
     registry = backends._load_operation_registry("common")
     monkeypatch.setattr(registry, "_backends", {} if backend is None else {"fake": backend})
-    assert recurrence._default_kernels_run("chunk_gated_delta_rule_fwd_h", {"k": None}) is default_runs
+    assert recurrence.default_kernels_run("chunk_gated_delta_rule_fwd_h", {"k": None}) is default_runs
 
 
 @pytest.mark.parametrize("planned, runs, head_dim, message", [
@@ -160,19 +171,20 @@ def test_fla_calls_refuse_what_fla_cannot_run(planned, runs, head_dim, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla paths need CUDA")
 @pytest.mark.parametrize("recomputing", [False, True], ids=["kept layer", "recomputed layer"])
-@pytest.mark.parametrize("own_kernels", [True, False], ids=["in place", "dispatched"])
+@pytest.mark.parametrize("own_kernels", [True, False], ids=["chains", "dispatched"])
 @pytest.mark.parametrize("side", [False, True], ids=["one round", "shared start"])
 @pytest.mark.parametrize("outside", [True, False], ids=["outside states", "zero start"])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
 def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels, recomputing, monkeypatch):
-    """Also with the recurrences through fla's dispatched wrappers, as where another fla backend is active
-    (`models.ops.kda.recurrence`), and in a layer's recomputation, where both paths keep what their backward
+    """With the recurrences round by round on the chain kernels (`models.ops.kda.chains`), and call by call through
+    fla's dispatched wrappers, as where another fla backend is active (`models.ops.kda.recurrence`); and in a layer's
+    recomputation, where both paths keep what their backward
     would compute again (`models.recompute.in_recomputed_part`): the same bits as when they recompute it. The
     outputs and the table are compared bitwise; the gradients too, but where two pieces start from one state the
     two paths add its gradients in another order, and there they agree to rounding."""
-    from models.ops.kda import calls as kda_calls, chunk, recurrence
+    from models.ops.kda import calls as kda_calls, chunk
 
-    monkeypatch.setattr(recurrence, "_default_kernels_run", lambda name, kwargs: own_kernels)
+    monkeypatch.setattr(kda_calls, "default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
     calls = to_device(CoreCalls.build(layer_calls(pieces, outside, side), B, 4 if outside else 1), "cuda")

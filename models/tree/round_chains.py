@@ -1,0 +1,89 @@
+"""A layer's calls regrouped by plan round: each sequence of a round as the chain of its pieces across the round's
+calls, so a kernel that keeps the state in registers runs a round in one launch (`models.ops.kda.chains`).
+
+Legend: N_r sequences of round r, P_r their pieces, M state-table entries.
+
+`models.tree.core_calls` cuts a round's sequences at the chunks where other sequences start, because chunk kernels
+return only final states: call j packs piece j of every sequence and piece j+1 starts from the table entry piece j
+wrote. A chain is one sequence's pieces in call order. Running it in one program gives the same chunks and states,
+written to the same table entries, with one launch per round instead of one per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.tree.core_calls import CoreCall
+from planner.index_arrays import offsets
+
+__all__ = ["RoundChains"]
+
+
+@dataclass
+class RoundChains:
+    """One round's sequences as chains of pieces (int64 tensors, built on the host).
+
+    pieces [N_r+1]: each sequence's pieces (CSR over the piece arrays), in call order.
+    piece_bos, piece_eos [P_r]: the piece's rows among the layer's calls' rows (`CoreCalls.row_bounds`).
+    piece_boh [P_r]: the piece's first chunk among the calls' chunks (`CoreCalls.chunk_bounds`, fla's order).
+    piece_state [P_r]: the table entry of the state after the piece.
+    init [N_r]: the table entry each sequence starts from (0 holds zeros).
+    num_sequences: N_r (the launch grid).
+    grad_entries: the entries the sequences' initial-state gradients go to: None when every sequence starts from
+        zeros, a slice when `init` is one increasing run, else `init` itself (added sorted, deterministically).
+    """
+
+    pieces: torch.Tensor
+    piece_bos: torch.Tensor
+    piece_eos: torch.Tensor
+    piece_boh: torch.Tensor
+    piece_state: torch.Tensor
+    init: torch.Tensor
+    num_sequences: int
+    grad_entries: torch.Tensor | slice | None
+
+    @staticmethod
+    def build(calls: list[CoreCall], row_bounds: list[int], chunk_bounds: list[int], chunk_size: int
+              ) -> list["RoundChains"]:
+        """The chains of every round of a layer's calls (in order; `row_bounds`/`chunk_bounds` [m+1] where each call's
+        rows and chunks start). Refuses calls where a later piece does not start from its previous piece's entry."""
+        by_round: dict[int, list[int]] = {}
+        for j, call in enumerate(calls):
+            by_round.setdefault(call.round, []).append(j)
+        return [RoundChains._of_round(calls, js, row_bounds, chunk_bounds, chunk_size) for js in by_round.values()]
+
+    @staticmethod
+    def _of_round(calls, js, row_bounds, chunk_bounds, chunk_size) -> "RoundChains":
+        chains: dict[int, list[tuple[int, int, int, int]]] = {}
+        init: dict[int, int] = {}
+        for j in js:
+            call = calls[j]
+            cu = call.cu_seqlens
+            chunk_first = offsets(-(-np.diff(cu) // chunk_size))
+            for n, s in enumerate(call.sequence.tolist()):
+                chain = chains.setdefault(s, [])
+                start = int(call.init_state[n])
+                if chain:
+                    assert start == chain[-1][3], "a call's piece continues its sequence from the previous piece's state"
+                else:
+                    init[s] = start
+                chain.append((row_bounds[j] + int(cu[n]), row_bounds[j] + int(cu[n + 1]),
+                              chunk_bounds[j] + int(chunk_first[n]), int(call.first_state) + n))
+        order = sorted(chains)
+        flat = np.array([p for s in order for p in chains[s]], dtype=np.int64).reshape(-1, 4)
+        entries = np.array([init[s] for s in order], dtype=np.int64)
+        as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
+        if not entries.any():
+            grad = None
+        elif np.array_equal(entries, np.arange(entries[0], entries[0] + entries.size)):
+            grad = slice(int(entries[0]), int(entries[0]) + entries.size)
+        else:
+            grad = as_t(entries)
+        return RoundChains(
+            pieces=as_t(offsets([len(chains[s]) for s in order])), piece_bos=as_t(flat[:, 0]),
+            piece_eos=as_t(flat[:, 1]), piece_boh=as_t(flat[:, 2]), piece_state=as_t(flat[:, 3]), init=as_t(entries),
+            num_sequences=len(order), grad_entries=grad,
+        )
