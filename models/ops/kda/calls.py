@@ -100,15 +100,15 @@ def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_fi
     return h, v_new
 
 
-def _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale: float, calls: CoreCalls, h_dtype):
-    """The backward state recurrence, in reverse: dh `[1, NT, HV, K, V]` (h_dtype) and dv2 `[1, T, HV, V]`; each
+def _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale: float, calls: CoreCalls):
+    """The backward state recurrence, in reverse: dh `[1, NT, HV, K, V]` (qg's dtype) and dv2 `[1, T, HV, V]`; each
     piece's state gradient starts from its table entry's gradient in `d_table` `[M, HV, K, V]` fp32, to which every
     sequence's initial-state gradient is added once its round has run (so a round sees the gradients of every later
     round that started from its states). Round by round on the chain kernels, or call by call as the forward."""
     from models.ops.kda.chains import bwd_dhu_chains
 
     rows, chunks = calls.row_bounds, calls.chunk_bounds
-    dh, dv2 = qg.new_empty(1, chunks[-1], *table.shape[1:], dtype=h_dtype), torch.empty_like(dv)
+    dh, dv2 = qg.new_empty(1, chunks[-1], *table.shape[1:]), torch.empty_like(dv)
 
     def kwargs(j: int) -> dict:
         call, piece = calls.calls[j], slice(rows[j], rows[j + 1])
@@ -179,7 +179,7 @@ def kda_calls_bwd(q, k, v, g_cum, beta, Aqk, Akk, table, scale: float, do, d_tab
     else:
         w, u, qg, kg, h, v_new = kept
     dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, chunk_size=B, **packed)
-    dh, dv2 = _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale, calls, qg.dtype)
+    dh, dv2 = _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale, calls)
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv2,
         scale=scale, chunk_size=B, chunk_offsets=calls.chunk_offsets, **packed,
