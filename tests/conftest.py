@@ -13,6 +13,14 @@ from tests.models.hf_oracle import transformers_cpu  # noqa: E402
 # (measured: the KDA reference step 10 ms with one thread, up to 175 ms with two under load).
 torch.set_num_threads(1)
 
+# On a GPU, fla's kernels run with the configs tuned for it (`models.ops.tuned_configs`), as in the benchmarks and the
+# RL job, and before fla is imported (it reads the folder once): fla's stock recurrence kernels and the tree's chain
+# variant of them (`models.ops.kda.chains`) then run the same tiles.
+if torch.cuda.is_available():
+    from models.ops.tuned_configs import use_tuned_configs  # noqa: E402
+
+    use_tuned_configs(torch.cuda.get_device_name(0))
+
 # transformers binds fla's Triton kernels into its Qwen3-Next / Kimi-Linear modeling modules when they are first
 # imported with fla importable, and those kernels fail on CPU ("0 active drivers"). Import the modules once, with fla
 # hidden, before any test module can import them: every later import (test oracles, tests of the norm ops, vLLM)

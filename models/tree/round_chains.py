@@ -67,7 +67,8 @@ class RoundChains:
                 chain = chains.setdefault(s, [])
                 start = int(call.init_state[n])
                 if chain:
-                    assert start == chain[-1][3], "a call's piece continues its sequence from the previous piece's state"
+                    assert start == chain[-1][3], \
+                        "a call's piece continues its sequence from the previous piece's state"
                 else:
                     init[s] = start
                 chain.append((row_bounds[j] + int(cu[n]), row_bounds[j] + int(cu[n + 1]),

@@ -14,10 +14,12 @@ every piece as its own packed sequence. The recurrences run once per round of th
 fla's kernels with each sequence's pieces as one chain, `CoreCalls.chains`), in order forward and in reverse
 backward: each sequence starts from its table entry, the state after each of its pieces is written to the piece's
 entry, and backward adds each sequence's initial-state gradient into the table's gradient, which a piece's state
-gradient starts from in an earlier round. Where fla's dispatch would run another implementation of the recurrences
-they run call by call through it (`models.ops.kda.recurrence`). Chunk states and values are written into the
+gradient starts from in an earlier round. Where fla's dispatch would run another implementation of the recurrences,
+or would autotune them (no tuned config for flat's call: the chains could not know the tiles it picks), they run
+call by call through fla's dispatch (`models.ops.kda.recurrence`). Chunk states and values are written into the
 layer's buffers in place. The forward's kernels see exactly the chunks and states that `chunk_kda` call by call
-gives them, so the outputs and states are the same, bit for bit (`tests/models/ops/test_kda_calls.py` on the H200).
+gives them, so the outputs and states are the same, bit for bit (`tests/models/ops/test_kda_calls.py`: on the H200
+for the call-by-call path in session 21; the chains are checked without a GPU by `test_kda_chains.py`).
 In a layer that backward recomputes (`models.recompute.in_recomputed_part`) the forward saves the WY factors, gated
 q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward runs neither
 `recompute_w_u_fwd` nor the forward recurrence again.
@@ -26,8 +28,8 @@ Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward pe
 dispatch; here it is about 7 and 10 per layer plus, per round, the recurrence and, in backward, the add of its
 sequences' initial-state gradients into the table's (one add where they are one run of entries, else a sorted
 add). Tree layers on SWE-like steps hold up to 27 calls of a few hundred rows each (issue #17; the SWE step of
-issue #20: 14 calls in 2 rounds), where the host, not the GPU, set the pace. One autograd Function for all calls also leaves no per-round concatenation of
-outputs and input gradients.
+issue #20: 14 calls in 2 rounds), where the host, not the GPU, set the pace. One autograd Function for all calls
+also leaves no per-round concatenation of outputs and input gradients.
 
 Reference: the call-by-call loop `models.linear_attention.LinearAttention.core_calls`. The fla calls mirror
 `fla.ops.kda.chunk_fwd.chunk_kda_fwd` and `fla.ops.kda.chunk_bwd.chunk_kda_bwd` (fla 0.6.0) with our flags: gates and
@@ -75,23 +77,25 @@ def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_fi
     """The forward state recurrence: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]`, each sequence starting from its
     entry of `table` `[M, HV, K, V]` fp32 and, with `write_finals`, the state after each piece written into it
     (backward's recomputation reads the table the forward filled). Round by round on the chain kernels
-    (`models.ops.kda.chains`), or call by call where fla's dispatch would run another implementation
-    (`models.ops.kda.recurrence`), judged on the first call's arguments (fla 0.6.0's backends judge by mode, flags
-    and device, not by a call's sizes)."""
-    from models.ops.kda.chains import fwd_h_chains
+    (`models.ops.kda.chains`) where fla would run its stock kernels with tuned configs, else call by call through
+    fla's dispatch (`models.ops.kda.recurrence`: another backend, or autotuned tiles), judged on the first call's
+    arguments without its initial states (fla 0.6.0's backends judge by mode, flags, device and chunk bookkeeping,
+    not by a call's sizes or states)."""
+    from models.ops.kda.chains import fwd_config, fwd_h_chains
 
     rows, chunks = calls.row_bounds, calls.chunk_bounds
     h = kg.new_empty(1, chunks[-1], u.shape[2], kg.shape[-1], u.shape[-1])
     v_new = torch.empty_like(u)
 
-    def kwargs(j: int) -> dict:
+    def kwargs(j: int, states: bool = True) -> dict:
         call, piece = calls.calls[j], slice(rows[j], rows[j + 1])
-        return fwd_h_kwargs(kg[:, piece], w[:, piece], u[:, piece], g_cum[:, piece], _initial_states(table, call),
-                            write_finals, call, calls.chunk_size)
+        return fwd_h_kwargs(kg[:, piece], w[:, piece], u[:, piece], g_cum[:, piece],
+                            _initial_states(table, call) if states else None, write_finals, call, calls.chunk_size)
 
-    if default_kernels_run("chunk_gated_delta_rule_fwd_h", kwargs(0)):
+    config = fwd_config(kg, u, g_cum, calls.chunk_size)
+    if config is not None and default_kernels_run("chunk_gated_delta_rule_fwd_h", kwargs(0, states=False)):
         for chains in calls.chains:
-            fwd_h_chains(h, v_new, kg, w, u, g_cum, table, chains, calls.chunk_size, store_states=write_finals)
+            fwd_h_chains(h, v_new, kg, w, u, g_cum, table, chains, calls.chunk_size, write_finals, config)
         return h, v_new
     for j, call in enumerate(calls.calls):
         finals = table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1]
@@ -105,20 +109,21 @@ def _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale: float, call
     piece's state gradient starts from its table entry's gradient in `d_table` `[M, HV, K, V]` fp32, to which every
     sequence's initial-state gradient is added once its round has run (so a round sees the gradients of every later
     round that started from its states). Round by round on the chain kernels, or call by call as the forward."""
-    from models.ops.kda.chains import bwd_dhu_chains
+    from models.ops.kda.chains import bwd_config, bwd_dhu_chains
 
     rows, chunks = calls.row_bounds, calls.chunk_bounds
     dh, dv2 = qg.new_empty(1, chunks[-1], *table.shape[1:]), torch.empty_like(dv)
 
-    def kwargs(j: int) -> dict:
+    def kwargs(j: int, states: bool = True) -> dict:
         call, piece = calls.calls[j], slice(rows[j], rows[j + 1])
         dht = d_table[call.first_state : call.first_state + call.cu_seqlens_cpu.numel() - 1].contiguous()
-        return bwd_dhu_kwargs(qg[:, piece], kg[:, piece], w[:, piece], do[:, piece], dv[:, piece],
-                              g_cum[:, piece], _initial_states(table, call), dht, scale, call, calls.chunk_size)
+        return bwd_dhu_kwargs(qg[:, piece], kg[:, piece], w[:, piece], do[:, piece], dv[:, piece], g_cum[:, piece],
+                              _initial_states(table, call) if states else None, dht, scale, call, calls.chunk_size)
 
-    if default_kernels_run("chunk_gated_delta_rule_bwd_dhu", kwargs(0)):
+    config = bwd_config(qg, do, g_cum, calls.chunk_size)
+    if config is not None and default_kernels_run("chunk_gated_delta_rule_bwd_dhu", kwargs(0, states=False)):
         for chains in reversed(calls.chains):
-            dh0 = bwd_dhu_chains(dh, dv2, qg, kg, w, do, dv, g_cum, d_table, scale, chains, calls.chunk_size)
+            dh0 = bwd_dhu_chains(dh, dv2, qg, kg, w, do, dv, g_cum, d_table, scale, chains, calls.chunk_size, config)
             _add_initial_gradients(d_table, chains.grad_entries, dh0)
         return dh, dv2
     for j in reversed(range(len(calls.calls))):

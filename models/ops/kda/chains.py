@@ -18,8 +18,10 @@ call that entry's gradient also held the next piece's initial-state gradient, ad
 gradients agree to rounding where a side branch starts from the entry and bitwise otherwise. Each sequence's
 initial-state gradient is written to `dh0` `[N_r, HV, K, V]`; the caller adds it to the table's gradient.
 
-Launch configs: BV and warps/stages of the stock kernels' tuned configs on this GPU (`models.ops.tuned_configs`),
-so tree and flat run the same tile shapes; elsewhere `DEFAULT_CONFIG`.
+Launch configs: BV and warps/stages of the stock kernels' tuned entries for flat's calls on this GPU
+(`models.ops.tuned_configs`), so tree and flat run the same tiles; where fla would autotune instead, the caller runs
+the stock kernels call by call (`models.ops.kda.calls`). Zeros: fla adds an initial state to a literal zero (so a
+-0 entry reads as +0); a chain's later pieces continue from registers, as flat's uncut sequences do.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from models.ops.tuned_configs import CONFIG_DIR_ENV
 if TYPE_CHECKING:
     from models.tree.round_chains import RoundChains
 
-__all__ = ["DEFAULT_CONFIG", "bwd_dhu_chains", "fwd_h_chains", "launch_config"]
+__all__ = ["bwd_config", "bwd_dhu_chains", "fwd_config", "fwd_h_chains", "launch_config"]
 
 
 @triton.jit
@@ -280,39 +282,64 @@ def chain_bwd_kernel_dhu(q, k, w, gk, d_table, dh0, do, dh, dv, dv2, chain_piece
     _store_states(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
 
 
-DEFAULT_CONFIG = {"BV": 32, "num_warps": 4, "num_stages": 3}
 _STOCK_KERNELS = {"fwd": "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
                   "bwd": "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"}
 
 
-@functools.lru_cache(maxsize=None)
-def launch_config(direction: str, H: int, HV: int, K: int, V: int, BT: int) -> dict:
-    """BV, num_warps and num_stages of the stock fla kernel of `direction` ('fwd' or 'bwd') for these shapes, from
-    the tuned configs fla reads (`FLA_CONFIG_DIR`, set by `models.ops.tuned_configs.use_tuned_configs`; the first
-    entry whose key starts (H, HV, K, V, BT)); `DEFAULT_CONFIG` where there is none."""
+def fwd_config(k: torch.Tensor, u: torch.Tensor, gk: torch.Tensor, chunk_size: int) -> dict | None:
+    """The launch config (BV, num_warps, num_stages) of the stock forward kernel for flat's call with these inputs
+    (`launch_config`): k `[1, T, H, K]`, u `[1, T, HV, V]`, gk `[1, T, HV, K]`; None where none is tuned."""
+    H, K, HV, V = k.shape[2], k.shape[3], u.shape[2], u.shape[3]
+    # fla's key: H, HV, K, V, BT, STATE_V_FIRST, then the dtypes of the tensors flat's chunk_kda passes: k, v (= u),
+    # w (k's dtype), v_new (u's), gk, h (k's), cu_seqlens, chunk_offsets.
+    dtypes = (k.dtype, u.dtype, k.dtype, u.dtype, gk.dtype, k.dtype, torch.int64, torch.int64)
+    return launch_config("fwd", (H, HV, K, V, chunk_size, False, *map(str, dtypes)))
+
+
+def bwd_config(q: torch.Tensor, do: torch.Tensor, gk: torch.Tensor, chunk_size: int) -> dict | None:
+    """As `fwd_config` for the stock backward kernel: q `[1, T, H, K]` (its dtype also k's, w's and dh's), do
+    `[1, T, HV, V]` (also dv's and dv2's), gk `[1, T, HV, K]`."""
+    H, K, HV, V = q.shape[2], q.shape[3], do.shape[2], do.shape[3]
+    # fla's key: H, HV, K, V, BT, USE_G, STATE_V_FIRST, then the dtypes of q, k, w, gk, do, dh, dv, dv2, cu_seqlens,
+    # chunk_offsets (flat's call passes neither h0 nor dht).
+    dtypes = (q.dtype, q.dtype, q.dtype, gk.dtype, do.dtype, q.dtype, do.dtype, do.dtype, torch.int64, torch.int64)
+    return launch_config("bwd", (H, HV, K, V, chunk_size, False, False, *map(str, dtypes)))
+
+
+def launch_config(direction: str, key: tuple) -> dict | None:
+    """BV, num_warps and num_stages that fla's stock kernel of `direction` ('fwd' or 'bwd') runs with for autotuning
+    key `key`, from the tuned configs fla reads in strict mode (`FLA_CONFIG_DIR`, which
+    `models.ops.tuned_configs.use_tuned_configs` sets for a GPU with a tuned folder): the entry with exactly this
+    key. None without one: fla then autotunes the stock kernel, and the chain kernel could not know the tiles it
+    chose, so the caller runs the stock kernels call by call."""
     folder = os.environ.get(CONFIG_DIR_ENV)
-    path = Path(folder) / f"{_STOCK_KERNELS[direction]}.json" if folder else None
-    if path is not None and path.is_file():
-        for entry in json.loads(path.read_text())["autotune_entries"].values():
-            if entry["autotune_key"][:5] == [H, HV, K, V, BT]:
-                config = entry["config"]
-                return {"BV": config["kwargs"]["BV"], "num_warps": config["num_warps"],
-                        "num_stages": config["num_stages"]}
-    return dict(DEFAULT_CONFIG)
+    return _tuned_entry(folder, _STOCK_KERNELS[direction], key) if folder else None
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_entry(folder: str, kernel: str, key: tuple) -> dict | None:
+    path = Path(folder) / f"{kernel}.json"
+    if not path.is_file():
+        return None
+    for entry in json.loads(path.read_text())["autotune_entries"].values():
+        if tuple(entry["autotune_key"]) == key:
+            config = entry["config"]
+            return {"BV": config["kwargs"]["BV"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    return None
 
 
 def fwd_h_chains(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                 gk: torch.Tensor, table: torch.Tensor, chains: RoundChains, chunk_size: int,
-                 store_states: bool) -> None:
+                 gk: torch.Tensor, table: torch.Tensor, chains: RoundChains, chunk_size: int, store_states: bool,
+                 config: dict) -> None:
     """One round's forward recurrence: the chunk states of its pieces into h `[1, NT, HV, K, V]` and their new values
     into v_new `[1, T, HV, V]` (the layer's buffers, k's dtype), each sequence starting from its `chains.init` entry
     of table `[M, HV, K, V]` fp32 and, with `store_states`, the state after each piece written to its entry.
-    k `[1, T, H, K]` (gated keys), w `[1, T, HV, K]`, u `[1, T, HV, V]`, gk `[1, T, HV, K]` (chunk cumsum, log2)."""
+    k `[1, T, H, K]` (gated keys), w `[1, T, HV, K]`, u `[1, T, HV, V]`, gk `[1, T, HV, K]` (chunk cumsum, log2);
+    config: BV, num_warps, num_stages (`fwd_config`)."""
     _, _, H, K = k.shape
     HV, V = u.shape[2], u.shape[-1]
     assert h.is_contiguous() and h.dtype == k.dtype and v_new.is_contiguous() and v_new.dtype == u.dtype
     assert table.is_contiguous() and table.dtype == torch.float32
-    config = launch_config("fwd", H, HV, K, V, chunk_size)
     BV = config["BV"]
     chain_fwd_kernel_h[(triton.cdiv(V, BV) * chains.num_sequences * HV,)](
         k, u, w, v_new, gk, h, table, chains.pieces, chains.piece_bos, chains.piece_eos, chains.piece_boh,
@@ -323,17 +350,16 @@ def fwd_h_chains(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch
 
 def bwd_dhu_chains(dh: torch.Tensor, dv2: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                    do: torch.Tensor, dv: torch.Tensor, gk: torch.Tensor, d_table: torch.Tensor, scale: float,
-                   chains: RoundChains, chunk_size: int) -> torch.Tensor:
+                   chains: RoundChains, chunk_size: int, config: dict) -> torch.Tensor:
     """One round's backward recurrence: the chunk-state gradients of its pieces into dh `[1, NT, HV, K, V]` (q's
     dtype) and their value gradients into dv2 `[1, T, HV, V]` (dv's dtype), reading each piece's entry of d_table
     `[M, HV, K, V]` fp32. Returns each sequence's initial-state gradient `[N_r, HV, K, V]` fp32. q, k `[1, T, H, K]`
-    (gated), w `[1, T, HV, K]`, do, dv `[1, T, HV, V]`, gk `[1, T, HV, K]`."""
+    (gated), w `[1, T, HV, K]`, do, dv `[1, T, HV, V]`, gk `[1, T, HV, K]`; config as `bwd_config`'s."""
     _, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[-1]
     assert dh.is_contiguous() and dh.dtype == q.dtype and dv2.is_contiguous() and dv2.dtype == dv.dtype
     assert d_table.is_contiguous() and d_table.dtype == torch.float32
     dh0 = d_table.new_empty(chains.num_sequences, HV, K, V)
-    config = launch_config("bwd", H, HV, K, V, chunk_size)
     BV = config["BV"]
     chain_bwd_kernel_dhu[(triton.cdiv(V, BV) * chains.num_sequences * HV,)](
         q, k, w, gk, d_table, dh0, do, dh, dv, dv2, chains.pieces, chains.piece_bos, chains.piece_eos,

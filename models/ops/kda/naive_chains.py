@@ -35,10 +35,11 @@ def _heads(x: torch.Tensor, HV: int) -> torch.Tensor:
     return x[0].repeat_interleave(HV // x.shape[2], dim=1)
 
 
-def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: RoundChains, chunk_size: int, store_states: bool) -> None:
+def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: RoundChains, chunk_size: int, store_states: bool,
+                       config: dict | None = None) -> None:
     """`models.ops.kda.chains.fwd_h_chains`: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` written, table
     `[M, HV, K, V]` fp32 read (and written with `store_states`); k `[1, T, H, K]`, w, gk `[1, T, HV, K]`, u
-    `[1, T, HV, V]`."""
+    `[1, T, HV, V]`; `config` (the kernels' launch config) is not read."""
     kh = _heads(k, u.shape[2])
     init = chains.init.tolist()
     state, current = None, None
@@ -57,9 +58,9 @@ def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: RoundChains, chunk_
 
 
 def naive_bwd_dhu_chains(dh, dv2, q, k, w, do, dv, gk, d_table, scale: float, chains: RoundChains,
-                         chunk_size: int) -> torch.Tensor:
+                         chunk_size: int, config: dict | None = None) -> torch.Tensor:
     """`models.ops.kda.chains.bwd_dhu_chains`: dh `[1, NT, HV, K, V]`, dv2 `[1, T, HV, V]` written, d_table
-    `[M, HV, K, V]` fp32 read; returns the initial-state gradients `[N_r, HV, K, V]` fp32."""
+    `[M, HV, K, V]` fp32 read; returns the initial-state gradients `[N_r, HV, K, V]` fp32 (`config` not read)."""
     HV = do.shape[2]
     qh, kh = _heads(q, HV), _heads(k, HV)
     dh0 = d_table.new_zeros(chains.num_sequences, *d_table.shape[1:])

@@ -43,3 +43,19 @@ def layer_calls(pieces, outside: bool = True, side: bool = True) -> list[CoreCal
     calls.append(CoreCall(gather=side, cu_seqlens=offsets(SIDE_ROWS), init_state=np.array([first, first]),
                           output_pos=np.arange(side.size), round=1, sequence=np.arange(2), first_state=table))
     return calls
+
+
+def chained_side_calls(pieces, outside: bool = True) -> list[CoreCall]:
+    """`layer_calls(pieces, outside, side=False)`, then a second round of two calls: three sequences, the first two
+    starting from one entry (the first sequence's state after its first piece), the third from zeros; the first cut
+    after one chunk, so the round's first call packs three pieces and its second call that sequence's second piece."""
+    calls = layer_calls(pieces, outside, side=False)
+    first, table = calls[0].first_state, calls[-1].first_state + calls[-1].num_sequences
+    lengths = (B, 5, 40)
+    rows = np.arange(sum(lengths) + 6) % calls[0].gather.size
+    calls.append(CoreCall(gather=rows[: sum(lengths)], cu_seqlens=offsets(lengths),
+                          init_state=np.array([first, first, 0]), output_pos=np.arange(sum(lengths)), round=1,
+                          sequence=np.arange(3), first_state=table))
+    calls.append(CoreCall(gather=rows[sum(lengths):], cu_seqlens=offsets([6]), init_state=np.array([table]),
+                          output_pos=np.arange(6), round=1, sequence=np.array([0]), first_state=table + 3))
+    return calls

@@ -44,33 +44,6 @@ def test_calls_layout_names_each_piece_s_table_entry():
     assert zeros.calls[0].init_state is None and zeros.calls[0].init_index is None and zeros.outside_states == 0
 
 
-def test_round_chains_are_each_sequence_s_pieces_in_call_order():
-    """`CoreCalls.chains`: per plan round, each sequence's pieces as one chain (rows and chunks among all calls',
-    the entry each piece's final state goes to), starting from its first piece's entry; a round's initial-state
-    gradients go to a run of entries as a slice, to shared entries as an index."""
-    calls = CoreCalls.build(layer_calls(ROUNDS["dropping"]), B, table_start=4)
-    first, side = calls.chains
-    assert first.num_sequences == 3 and first.pieces.tolist() == [0, 3, 5, 6]
-    # sequence 0: call 0 rows [0, 128), call 1 rows [232, 360), call 2 rows [488, 565); sequence 1, then 2
-    assert first.piece_bos.tolist() == [0, 232, 488, 128, 360, 192]
-    assert first.piece_eos.tolist() == [128, 360, 565, 192, 488, 232]
-    assert first.piece_boh.tolist() == [0, 4, 8, 2, 6, 3]
-    assert first.piece_state.tolist() == [4, 7, 9, 5, 8, 6]
-    assert first.init.tolist() == [1, 2, 3] and first.grad_entries == slice(1, 4)
-    assert side.pieces.tolist() == [0, 1, 2] and side.piece_bos.tolist() == [565, 635]
-    assert side.piece_boh.tolist() == [10, 12] and side.piece_state.tolist() == [10, 11]
-    assert side.init.tolist() == [4, 4] and side.grad_entries.tolist() == [4, 4]
-    zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False, side=False), B, table_start=1)
-    assert zeros.rounds == 1 and zeros.chains[0].grad_entries is None
-
-
-def test_round_chains_refuse_a_piece_that_does_not_continue_its_sequence():
-    calls = layer_calls(ROUNDS["continuing"])
-    calls[1].init_state = calls[1].init_state[::-1].copy()  # each second piece starts from another sequence's state
-    with pytest.raises(AssertionError, match="continues its sequence"):
-        CoreCalls.build(calls, B, table_start=4)
-
-
 def test_call_index_tensors_move_to_the_device_in_one_buffer():
     host = CoreCalls.build(layer_calls(ROUNDS["dropping"]), B, 4)
     moved = to_device(host, "meta")
@@ -154,15 +127,16 @@ def test_fla_calls_refuse_what_fla_cannot_run(planned, runs, head_dim, message):
 @pytest.mark.parametrize("outside", [True, False], ids=["outside states", "zero start"])
 @pytest.mark.parametrize("pieces", list(ROUNDS.values()), ids=list(ROUNDS))
 def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels, recomputing, monkeypatch):
-    """With the recurrences round by round on the chain kernels (`models.ops.kda.chains`), and call by call through
-    fla's dispatched wrappers, as where another fla backend is active (`models.ops.kda.recurrence`); and in a layer's
-    recomputation, where both paths keep what their backward
-    would compute again (`models.recompute.in_recomputed_part`): the same bits as when they recompute it. The
-    outputs and the table are compared bitwise; the gradients too, but where two pieces start from one state the
-    two paths add its gradients in another order, and there they agree to rounding."""
-    from models.ops.kda import calls as kda_calls, chunk
+    """With the recurrences round by round on the chain kernels (`models.ops.kda.chains`, with the stock kernels'
+    tuned configs that `tests/conftest.py` points fla at), and call by call through fla's dispatched wrappers, as
+    where another fla backend is active (`models.ops.kda.recurrence`); and in a layer's recomputation, where both
+    paths keep what their backward would compute again (`models.recompute.in_recomputed_part`): the same bits as
+    when they recompute it. The outputs and the table are compared bitwise; the gradients too, but where two pieces
+    start from one state the autograd loop adds its gradients in another order, and there they agree to rounding;
+    the chains' gradients are bitwise the dispatched calls' everywhere (each entry's gradient is added in the same
+    order, up to commuting one addition)."""
+    from models.ops.kda import calls as kda_calls, chains, chunk
 
-    monkeypatch.setattr(kda_calls, "default_kernels_run", lambda name, kwargs: own_kernels)
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
     calls = to_device(CoreCalls.build(layer_calls(pieces, outside, side), B, 4 if outside else 1), "cuda")
@@ -171,8 +145,13 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
     x["g"] = x["g"] * 0.1  # slow decay: states carry across chunks
     x = {n: (t if n == "initial_state" else t[0]).cuda().to(torch.float32 if n in ("g", "initial_state")
                                                               else torch.bfloat16) for n, t in x.items()}
+    bf16, fp32 = (torch.empty(1, 1, 16, 128, dtype=d, device="meta") for d in (torch.bfloat16, torch.float32))
+    if own_kernels and None in (chains.fwd_config(bf16, bf16, fp32, B), chains.bwd_config(bf16, bf16, fp32, B)):
+        pytest.skip("no tuned configs of fla's recurrence kernels for this GPU (models/ops/fla_configs): the tree's "
+                    "calls run the stock kernels call by call here, not the chains")
 
-    def run(fused: bool):
+    def run(fused: bool, chain_kernels: bool = own_kernels):
+        monkeypatch.setattr(kda_calls, "default_kernels_run", lambda name, kwargs: chain_kernels)
         leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
         mixer.calls_op = type(mixer).calls_op if fused else None
         h0 = leaves["initial_state"] if outside else None
@@ -196,6 +175,10 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
         else:
             assert torch.equal(grads[name], g), name
         assert torch.equal(grads_kept[name], g), f"{name}, call by call, kept"
+    if own_kernels:
+        _, _, grads_dispatched = run(fused=True, chain_kernels=False)
+        for name, g in grads_dispatched.items():
+            assert torch.equal(grads[name], g), f"{name}, chains against dispatched calls"
 
 
 @pytest.mark.parametrize("outside", [None, 2], ids=["none for three", "two for three"])

@@ -25,7 +25,7 @@ def test_chain_kernels_match_their_reference_under_triton_s_interpreter():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(report) == 24
+    assert len(report) == 26
     for case, diffs in report.items():
         assert diffs.pop("recomputation's h - forward's") == 0, case
         assert diffs and all(d < 2e-6 for d in diffs.values()), (case, diffs)
@@ -101,31 +101,41 @@ def test_chain_kernels_repeat_fla_s_arithmetic_on_the_h200(K, BV):
         assert _arithmetic(chain.asm["ptx"]) == expected, name
 
 
-def test_chain_launch_configs_are_the_stock_kernels_tuned_ones(tmp_path, monkeypatch):
-    """`launch_config` reads BV, warps and stages of fla's stock kernel from the tuned-config folder fla reads
-    (`FLA_CONFIG_DIR`), for the entry whose key starts with the shapes; `DEFAULT_CONFIG` without one."""
+def test_chain_launch_configs_are_the_stock_kernels_tuned_ones_for_flat_s_call(tmp_path, monkeypatch):
+    """The chain kernels launch with the config fla's stock kernel runs flat's call with, read from the tuned folder
+    fla reads (`FLA_CONFIG_DIR`): the entry with exactly the key of flat's call (shapes, flags, dtypes); None, and
+    the calls run call by call, where there is none (fla autotunes then)."""
+    import torch
+
     from models.ops.kda import chains
     from models.ops.tuned_configs import CONFIG_DIR_ENV
 
-    entry = {"autotune_key": [16, 16, 128, 128, 64, False, "torch.bfloat16"],
-             "config": {"kwargs": {"BV": 64}, "num_warps": 2, "num_stages": 4, "num_ctas": 1}}
+    bf, f32, i64 = "torch.bfloat16", "torch.float32", "torch.int64"
+    key = [16, 16, 128, 128, 64, False, False, bf, bf, bf, f32, bf, bf, bf, bf, i64, i64]
+    entries = {"flat": {"autotune_key": key, "config": {"kwargs": {"BV": 64}, "num_warps": 2, "num_stages": 4}},
+               "with dht": {"autotune_key": key[:11] + [f32] + key[11:],
+                            "config": {"kwargs": {"BV": 32}, "num_warps": 4, "num_stages": 1}}}
     (tmp_path / "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64.json").write_text(
-        json.dumps({"autotune_entries": {"a": entry}}))
+        json.dumps({"autotune_entries": entries}))
+    q, do, gk = (torch.empty(1, 8, 16, 128, dtype=d, device="meta") for d in (torch.bfloat16,) * 2 + (torch.float32,))
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    assert chains.bwd_config(q, do, gk, 64) is None  # no folder
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
-    chains.launch_config.cache_clear()
-    try:
-        assert chains.launch_config("bwd", 16, 16, 128, 128, 64) == {"BV": 64, "num_warps": 2, "num_stages": 4}
-        assert chains.launch_config("bwd", 16, 16, 64, 128, 64) == chains.DEFAULT_CONFIG  # other shapes
-        assert chains.launch_config("fwd", 16, 16, 128, 128, 64) == chains.DEFAULT_CONFIG  # no file
-    finally:
-        chains.launch_config.cache_clear()
+    assert chains.bwd_config(q, do, gk, 64) == {"BV": 64, "num_warps": 2, "num_stages": 4}
+    assert chains.bwd_config(q, do, gk, 32) is None  # other chunk size
+    assert chains.bwd_config(q, do.float(), gk, 64) is None  # other dtypes
+    assert chains.fwd_config(q, do, gk, 64) is None  # no file for the forward kernel
 
 
-def test_h200_tuned_configs_hold_both_stock_recurrences():
-    """The H200's tuned folder names configs for both stock kernels at ling-3-tiny's shapes, so the chain kernels
-    launch with them there."""
-    from models.ops.tuned_configs import TUNED_CONFIGS
+def test_h200_tuned_configs_hold_flat_s_stock_recurrence_calls(monkeypatch):
+    """The H200's tuned folder holds the entries of flat's stock recurrence calls at ling-3-tiny's shapes (bf16
+    inputs, fp32 gate cumsum), so the chain kernels run there with flat's tiles."""
+    import torch
 
-    for kernel in ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"):
-        entries = json.loads((TUNED_CONFIGS / "NVIDIA_H200" / f"{kernel}.json").read_text())["autotune_entries"]
-        assert any(e["autotune_key"][:5] == [16, 16, 128, 128, 64] for e in entries.values()), kernel
+    from models.ops.kda import chains
+    from models.ops.tuned_configs import CONFIG_DIR_ENV, TUNED_CONFIGS
+
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(TUNED_CONFIGS / "NVIDIA_H200"))
+    x, g = torch.empty(1, 8, 16, 128, dtype=torch.bfloat16, device="meta"), torch.empty(1, 8, 16, 128, device="meta")
+    assert chains.fwd_config(x, x, g, 64) == {"BV": 32, "num_warps": 4, "num_stages": 4}
+    assert chains.bwd_config(x, x, g, 64) == {"BV": 32, "num_warps": 4, "num_stages": 3}
