@@ -20,7 +20,8 @@ def test_chain_kernels_match_their_reference_under_triton_s_interpreter():
     (`tests.models.ops.chains_interpreted`), against `models.ops.kda.naive_chains`: every output to fp32 rounding
     relative to its largest magnitude, and the recomputation's chunk states equal to the forward's."""
     root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-m", "tests.models.ops.chains_interpreted"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
