@@ -17,7 +17,7 @@ from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
 from models.tree.device_copy import to_device
-from models.tree.round_chains import RoundChains
+from models.tree.round_chains import RoundChains, table_entries
 from models.tree.row_gather import RowGather
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
@@ -118,11 +118,9 @@ class CoreCallTensors:
     """[N_k+1] piece boundaries in the call's rows, on the device and on the host (fla needs no host sync then)."""
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
-    init_index: torch.Tensor | None
-    """`init_state` as an int64 tensor, None with it."""
-    init_run: slice | None
-    """`init_state` as a slice of the table when its entries are one increasing run (a call continuing one cut
-    sequence: a view, no gather, and its gradient added without a sort), else None."""
+    init_entries: torch.Tensor | slice | None
+    """`init_state` as `models.tree.round_chains.table_entries` reads it: a slice where the entries are one run (a
+    call continuing one cut sequence: a view, and its gradient added without a sort), else an index; None with it."""
     first_state: int
     """The table index of its first final state (the others follow in piece order)."""
     chunk_indices: torch.Tensor
@@ -138,15 +136,12 @@ class CoreCallTensors:
         """On the host (`models.tree.device_copy.to_device` moves the tensors but `cu_seqlens_cpu`)."""
         cu = torch.as_tensor(call.cu_seqlens, dtype=torch.int64)
         indices, first = fla_chunk_arrays(call.cu_seqlens, chunk_size)
-        zeros = not call.init_state.any()
-        start = int(call.init_state[0])
-        run = np.array_equal(call.init_state, np.arange(start, start + call.init_state.size))
+        entries = table_entries(call.init_state)
         return CoreCallTensors(
             cu_seqlens=cu,
             cu_seqlens_cpu=cu,
-            init_state=None if zeros else tuple(call.init_state.tolist()),
-            init_index=None if zeros else torch.as_tensor(call.init_state, dtype=torch.int64),
-            init_run=slice(start, start + call.init_state.size) if run and not zeros else None,
+            init_state=None if entries is None else tuple(call.init_state.tolist()),
+            init_entries=entries,
             first_state=int(call.first_state),
             chunk_indices=torch.as_tensor(indices),
             chunk_offsets=torch.as_tensor(first),
@@ -216,13 +211,10 @@ class CoreCalls:
             table += call.num_sequences
         cu = offsets(np.concatenate([np.diff(c.cu_seqlens) for c in calls]))
         indices, first = fla_chunk_arrays(cu, chunk_size)
-        tensors = [CoreCallTensors.build(c, chunk_size) for c in calls]
-        rows = [int(c.gather.size) for c in calls]
-        chunk_bounds = offsets([t.chunk_indices.shape[0] for t in tensors]).tolist()
         return CoreCalls(
-            calls=tensors, call_rows=rows, cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
-            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size, table_size=table,
-            chains=RoundChains.build(calls, offsets(rows).tolist(), chunk_bounds, chunk_size),
+            calls=[CoreCallTensors.build(c, chunk_size) for c in calls], call_rows=[int(c.gather.size) for c in calls],
+            cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first),
+            chunk_size=chunk_size, table_size=table, chains=RoundChains.build(calls, cu, first),
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from models.tree.core_calls import CoreCall
 from planner.index_arrays import offsets
 
-__all__ = ["RoundChains"]
+__all__ = ["RoundChains", "table_entries"]
 
 
 @dataclass
@@ -32,8 +32,7 @@ class RoundChains:
     piece_state [P_r]: the table entry of the state after the piece.
     init [N_r]: the table entry each sequence starts from (0 holds zeros).
     num_sequences: N_r (the launch grid).
-    grad_entries: the entries the sequences' initial-state gradients go to: None when every sequence starts from
-        zeros, a slice when `init` is one increasing run, else `init` itself (added sorted, deterministically).
+    grad_entries: `init` as `table_entries` reads it, for the sequences' initial-state gradients.
     """
 
     pieces: torch.Tensor
@@ -46,23 +45,23 @@ class RoundChains:
     grad_entries: torch.Tensor | slice | None
 
     @staticmethod
-    def build(calls: list[CoreCall], row_bounds: list[int], chunk_bounds: list[int], chunk_size: int
-              ) -> list["RoundChains"]:
-        """The chains of every round of a layer's calls (in order; `row_bounds`/`chunk_bounds` [m+1] where each call's
-        rows and chunks start). Refuses calls where a later piece does not start from its previous piece's entry."""
+    def build(calls: list[CoreCall], cu_seqlens: np.ndarray, chunk_offsets: np.ndarray) -> list["RoundChains"]:
+        """The chains of every round of a layer's calls (in order). cu_seqlens, chunk_offsets [P+1]: every piece of
+        every call, call after call, as one packed sequence of the calls' rows, with fla's chunk offsets
+        (`CoreCalls.cu_seqlens`, `.chunk_offsets`). Refuses calls where a later piece does not start from its previous
+        piece's entry."""
+        first_piece = offsets([c.num_sequences for c in calls])
         by_round: dict[int, list[int]] = {}
         for j, call in enumerate(calls):
             by_round.setdefault(call.round, []).append(j)
-        return [RoundChains._of_round(calls, js, row_bounds, chunk_bounds, chunk_size) for js in by_round.values()]
+        return [RoundChains._of_round(calls, js, first_piece, cu_seqlens, chunk_offsets) for js in by_round.values()]
 
     @staticmethod
-    def _of_round(calls, js, row_bounds, chunk_bounds, chunk_size) -> "RoundChains":
+    def _of_round(calls, js, first_piece, cu_seqlens, chunk_offsets) -> "RoundChains":
         chains: dict[int, list[tuple[int, int, int, int]]] = {}
         init: dict[int, int] = {}
         for j in js:
             call = calls[j]
-            cu = call.cu_seqlens
-            chunk_first = offsets(-(-np.diff(cu) // chunk_size))
             for n, s in enumerate(call.sequence.tolist()):
                 chain = chains.setdefault(s, [])
                 start = int(call.init_state[n])
@@ -71,20 +70,27 @@ class RoundChains:
                         "a call's piece continues its sequence from the previous piece's state"
                 else:
                     init[s] = start
-                chain.append((row_bounds[j] + int(cu[n]), row_bounds[j] + int(cu[n + 1]),
-                              chunk_bounds[j] + int(chunk_first[n]), int(call.first_state) + n))
+                g = int(first_piece[j]) + n
+                chain.append((int(cu_seqlens[g]), int(cu_seqlens[g + 1]), int(chunk_offsets[g]),
+                              int(call.first_state) + n))
         order = sorted(chains)
         flat = np.array([p for s in order for p in chains[s]], dtype=np.int64).reshape(-1, 4)
         entries = np.array([init[s] for s in order], dtype=np.int64)
         as_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64)  # noqa: E731
-        if not entries.any():
-            grad = None
-        elif np.array_equal(entries, np.arange(entries[0], entries[0] + entries.size)):
-            grad = slice(int(entries[0]), int(entries[0]) + entries.size)
-        else:
-            grad = as_t(entries)
         return RoundChains(
             pieces=as_t(offsets([len(chains[s]) for s in order])), piece_bos=as_t(flat[:, 0]),
             piece_eos=as_t(flat[:, 1]), piece_boh=as_t(flat[:, 2]), piece_state=as_t(flat[:, 3]), init=as_t(entries),
-            num_sequences=len(order), grad_entries=grad,
+            num_sequences=len(order), grad_entries=table_entries(entries),
         )
+
+
+def table_entries(entries: np.ndarray) -> torch.Tensor | slice | None:
+    """How to read state-table entries `entries` [N] (and add gradients to them): None when all are entry 0 (zeros),
+    a slice when they are one increasing run (a view, and one add), else an int64 index tensor (a gather, and a
+    sorted, deterministic accumulation)."""
+    if not entries.any():
+        return None
+    start = int(entries[0])
+    if np.array_equal(entries, np.arange(start, start + entries.size)):
+        return slice(start, start + entries.size)
+    return torch.as_tensor(np.ascontiguousarray(entries), dtype=torch.int64)

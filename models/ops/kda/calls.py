@@ -68,9 +68,7 @@ class Kept(NamedTuple):
 def _initial_states(table: torch.Tensor, call) -> torch.Tensor | None:
     """A call's initial states `[N_j, HV, K, V]` from the table: a view where they are one run of entries, else a
     gather; None for zeros."""
-    if call.init_index is None:
-        return None
-    return table[call.init_run] if call.init_run is not None else table[call.init_index]
+    return None if call.init_entries is None else table[call.init_entries]
 
 
 def _recurrence(kg, w, u, g_cum, calls: CoreCalls, table: torch.Tensor, write_finals: bool):
@@ -130,7 +128,7 @@ def _recurrence_bwd(qg, kg, w, do, dv, g_cum, table, d_table, scale: float, call
         call = calls.calls[j]
         dh0 = bwd_dhu_dispatched(dh[:, chunks[j] : chunks[j + 1]], dv2[:, rows[j] : rows[j + 1]], kwargs(j))
         if dh0 is not None:
-            _add_initial_gradients(d_table, call.init_run if call.init_run is not None else call.init_index, dh0)
+            _add_initial_gradients(d_table, call.init_entries, dh0)
     return dh, dv2
 
 

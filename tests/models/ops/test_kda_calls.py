@@ -34,24 +34,26 @@ def test_calls_layout_names_each_piece_s_table_entry():
     assert calls.cu_seqlens.tolist() == [0, 128, 192, 232, 360, 488, 565, 635, 640]
     assert [c.init_state for c in calls.calls] == [(1, 2, 3), (4, 5), (7,), (4, 4)]
     assert [c.first_state for c in calls.calls] == [4, 7, 9, 10] and calls.rounds == 2 and calls.outside_states == 3
-    assert calls.calls[1].init_index.tolist() == [4, 5]
-    assert [c.init_run for c in calls.calls] == [slice(1, 4), slice(4, 6), slice(7, 8), None]  # (4, 4): a gather
+    assert [c.init_entries for c in calls.calls[:3]] == [slice(1, 4), slice(4, 6), slice(7, 8)]  # runs: views
+    assert calls.calls[3].init_entries.tolist() == [4, 4]  # a shared start: a gather
     for call, pieces in zip(calls.calls, ([0, 128, 192, 232], [0, 128, 256], [0, 77], [0, 70, 75])):
         assert call.cu_seqlens.tolist() == call.cu_seqlens_cpu.tolist() == pieces
         indices, first = fla_chunk_arrays(np.array(pieces), B)
         assert call.chunk_indices.tolist() == indices.tolist() and call.chunk_offsets.tolist() == first.tolist()
     zeros = CoreCalls.build(layer_calls(ROUNDS["single call"], outside=False), B, table_start=1)
-    assert zeros.calls[0].init_state is None and zeros.calls[0].init_index is None and zeros.outside_states == 0
+    assert zeros.calls[0].init_state is None and zeros.calls[0].init_entries is None and zeros.outside_states == 0
 
 
 def test_call_index_tensors_move_to_the_device_in_one_buffer():
     host = CoreCalls.build(layer_calls(ROUNDS["dropping"]), B, 4)
     moved = to_device(host, "meta")
     for a, b in [(host, moved), *zip(host.calls, moved.calls)]:
-        for name in ("cu_seqlens", "chunk_indices", "chunk_offsets", "init_index"):
+        for name in ("cu_seqlens", "chunk_indices", "chunk_offsets", "init_entries"):
             x, y = getattr(a, name, None), getattr(b, name, None)
             assert (x is None) == (y is None), name
-            if x is not None:
+            if isinstance(x, slice):  # a run of entries: read as a view, nothing to move
+                assert y == x, name
+            elif x is not None:
                 assert y.device.type == "meta" and y.shape == x.shape and y.dtype == x.dtype == torch.int64, name
     assert all(c.cu_seqlens_cpu.device.type == "cpu" for c in moved.calls)
 
