@@ -27,9 +27,7 @@ the stock kernels call by call (`models.ops.kda.calls`). Zeros: fla adds an init
 from __future__ import annotations
 
 import functools
-import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -308,24 +306,21 @@ def bwd_config(q: torch.Tensor, do: torch.Tensor, gk: torch.Tensor, chunk_size: 
 
 def launch_config(direction: str, key: tuple) -> dict | None:
     """BV, num_warps and num_stages that fla's stock kernel of `direction` ('fwd' or 'bwd') runs with for autotuning
-    key `key`, from the tuned configs fla reads in strict mode (`FLA_CONFIG_DIR`, which
-    `models.ops.tuned_configs.use_tuned_configs` sets for a GPU with a tuned folder): the entry with exactly this
-    key. None without one: fla then autotunes the stock kernel, and the chain kernel could not know the tiles it
-    chose, so the caller runs the stock kernels call by call."""
-    folder = os.environ.get(CONFIG_DIR_ENV)
-    return _tuned_entry(folder, _STOCK_KERNELS[direction], key) if folder else None
+    key `key`, as fla looks it up in its config folder (`fla.ops.utils.cache.load_cached_config`: `FLA_CONFIG_DIR`,
+    which `models.ops.tuned_configs.use_tuned_configs` sets for a GPU with a tuned folder, in the `FLA_CACHE_MODE`
+    fla was imported with). None without one: fla then autotunes the stock kernel, and the chain kernel could not
+    know the tiles it chose, so the caller runs the stock kernels call by call. Looked up once per folder and key."""
+    return _cached_config(os.environ.get(CONFIG_DIR_ENV), _STOCK_KERNELS[direction], key)
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_entry(folder: str, kernel: str, key: tuple) -> dict | None:
-    path = Path(folder) / f"{kernel}.json"
-    if not path.is_file():
+def _cached_config(folder: str | None, kernel: str, key: tuple) -> dict | None:
+    from fla.ops.utils.cache import AutotuneKey, load_cached_config
+
+    config = load_cached_config(kernel, AutotuneKey(key))
+    if config is None:
         return None
-    for entry in json.loads(path.read_text())["autotune_entries"].values():
-        if tuple(entry["autotune_key"]) == key:
-            config = entry["config"]
-            return {"BV": config["kwargs"]["BV"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    return None
+    return {"BV": config["kwargs"]["BV"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
 def fwd_h_chains(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,

@@ -102,25 +102,46 @@ def test_chain_kernels_repeat_fla_s_arithmetic_on_the_h200(K, BV):
         assert _arithmetic(chain.asm["ptx"]) == expected, name
 
 
-def test_chain_launch_configs_are_the_stock_kernels_tuned_ones_for_flat_s_call(tmp_path, monkeypatch):
-    """The chain kernels launch with the config fla's stock kernel runs flat's call with, read from the tuned folder
-    fla reads (`FLA_CONFIG_DIR`): the entry with exactly the key of flat's call (shapes, flags, dtypes); None, and
-    the calls run call by call, where there is none (fla autotunes then)."""
+@pytest.fixture
+def fla_strict_configs(monkeypatch):
+    """fla looking up tuned configs by exact key (`FLA_CACHE_MODE=strict`, as `use_tuned_configs` sets it before fla
+    is imported), with no lookups cached from before or left for after."""
+    from fla.ops.utils import cache as fla_cache
+
+    from models.ops.kda import chains
+
+    monkeypatch.setattr(fla_cache, "FLA_CACHE_MODE", fla_cache.FlaCacheMode.STRICT)
+    clears = (fla_cache.load_config_file.cache_clear, chains._cached_config.cache_clear)
+    for clear in clears:
+        clear()
+    yield
+    for clear in clears:
+        clear()
+
+
+def test_chain_launch_configs_are_the_stock_kernels_tuned_ones_for_flat_s_call(tmp_path, monkeypatch,
+                                                                                fla_strict_configs):
+    """The chain kernels launch with the config fla's stock kernel runs flat's call with, as fla looks it up in the
+    folder it reads (`FLA_CONFIG_DIR`): the entry of exactly the key of flat's call (shapes, flags, dtypes); None,
+    and the calls run call by call, where there is none (fla autotunes then)."""
     import torch
+    from fla.ops.utils.cache import AutotuneKey
 
     from models.ops.kda import chains
     from models.ops.tuned_configs import CONFIG_DIR_ENV
 
     bf, f32, i64 = "torch.bfloat16", "torch.float32", "torch.int64"
     key = [16, 16, 128, 128, 64, False, False, bf, bf, bf, f32, bf, bf, bf, bf, i64, i64]
-    entries = {"flat": {"autotune_key": key, "config": {"kwargs": {"BV": 64}, "num_warps": 2, "num_stages": 4}},
-               "with dht": {"autotune_key": key[:11] + [f32] + key[11:],
-                            "config": {"kwargs": {"BV": 32}, "num_warps": 4, "num_stages": 1}}}
+    with_dht = key[:11] + [f32] + key[11:]
+    entries = {AutotuneKey.key_hash(key): {"autotune_key": key, "config": {"kwargs": {"BV": 64}, "num_warps": 2,
+                                                                            "num_stages": 4, "num_ctas": 1}},
+               AutotuneKey.key_hash(with_dht): {"autotune_key": with_dht, "config": {
+                   "kwargs": {"BV": 32}, "num_warps": 4, "num_stages": 1, "num_ctas": 1}}}
     (tmp_path / "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64.json").write_text(
         json.dumps({"autotune_entries": entries}))
     q, do, gk = (torch.empty(1, 8, 16, 128, dtype=d, device="meta") for d in (torch.bfloat16,) * 2 + (torch.float32,))
     monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
-    assert chains.bwd_config(q, do, gk, 64) is None  # no folder
+    assert chains.bwd_config(q, do, gk, 64) is None  # no folder of ours (fla's own holds none for this machine)
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
     assert chains.bwd_config(q, do, gk, 64) == {"BV": 64, "num_warps": 2, "num_stages": 4}
     assert chains.bwd_config(q, do, gk, 32) is None  # other chunk size
@@ -128,7 +149,7 @@ def test_chain_launch_configs_are_the_stock_kernels_tuned_ones_for_flat_s_call(t
     assert chains.fwd_config(q, do, gk, 64) is None  # no file for the forward kernel
 
 
-def test_h200_tuned_configs_hold_flat_s_stock_recurrence_calls(monkeypatch):
+def test_h200_tuned_configs_hold_flat_s_stock_recurrence_calls(monkeypatch, fla_strict_configs):
     """The H200's tuned folder holds the entries of flat's stock recurrence calls at ling-3-tiny's shapes (bf16
     inputs, fp32 gate cumsum), so the chain kernels run there with flat's tiles."""
     import torch
