@@ -33,12 +33,13 @@ import torch
 from rich.console import Console
 
 from app.advantages import assign_advantages, assign_batch_baseline
-from app.checkpoint import NonFiniteError, check_finite, rng_state, set_rng_state
+from app.checkpoint import CheckpointWriteError, NonFiniteError, check_finite, rng_state, set_rng_state
 from app.config import JobConfig
 from app.config_loader import ConfigError
 from app.data import DataError, DataExhausted, TaskFeed, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
+from app.export import export_policy
 from app.first_step import FirstStepWatch
 from app.launch import check_multi_rank, launch_size, under_torchrun
 from app.metrics import (MetricsLog, new_run_name, plan_scalars, reward_summary, rl_line, rollout_scalars,
@@ -51,7 +52,7 @@ from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
 from app.tree_picture import render_tree
 from models.decoder import HybridForCausalLM
-from models.hf_io import checkpoint_tensors, save_hf
+from models.hf_io import checkpoint_tensors
 from models.carry_microbatch import CarryStep
 from models.config import ModelConfig
 from models.microbatch import Microbatch
@@ -222,10 +223,11 @@ class _Job:
             self._restore()
             purge = self.done.step + 1
         else:
-            removed = self.trainer.remove_checkpoints()
-            if removed:
-                self.console.print(f"starting fresh: removed {removed} old checkpoints in {c.checkpoint.dir} "
-                                   "(use --resume to continue a run)")
+            moved = self.trainer.set_aside_checkpoints()
+            if moved:
+                self._print(f"starting fresh: moved the {moved} checkpoints in {c.checkpoint.dir} to its "
+                            "previous-run folder, deleted once this run writes its first checkpoint (use --resume "
+                            "to continue a run)")
             self.run_name = self.trainer.share(new_run_name)
         for note in self.trainer.notes:
             self.console.print(f"[yellow]{note}[/yellow]")
@@ -509,9 +511,7 @@ class _Job:
             return
         policy = self.trainer.policy()
         self.trainer.share(lambda: check_finite(policy.state_dict(), "the Hugging Face export"))
-        if self.main:
-            save_hf(policy, folder)
-            self.tokenizer.save_pretrained(folder)
+        self.trainer.share(lambda: export_policy(policy, self.tokenizer, folder))
         self.console.print(f"exported the policy (Hugging Face format) to {folder}")
 
     def run(self) -> int:
@@ -533,6 +533,8 @@ class _Job:
             return self._failed(128 + e.signum, f"{e} (step {self.done.step + 1})")
         except TooManySkipped as e:
             return self._failed(4, f"at step {self.done.step}: {e}")
+        except CheckpointWriteError as e:
+            return self._checkpoint_failed(e)
         except (EngineError, EnvironmentOutputError, DataError) as e:
             what = "rollout engine failed" if isinstance(e, EngineError) else \
                 self.bad_record if isinstance(e, DataError) else "invalid environment output"
@@ -559,6 +561,14 @@ class _Job:
             self._print(f"error: {failure}")
         return 2 if failures else 0
 
+    def _checkpoint_failed(self, e: CheckpointWriteError) -> int:
+        """A checkpoint during the phases could not be written: say so, export what was trained, exit 2."""
+        self._print(f"error: the checkpoint of step {self.done.step} failed: {e}")
+        failure = self._attempt(self.export, "the export")
+        if failure is not None:
+            self._print(f"error: {failure}")
+        return 2
+
     def _attempt(self, action, what: str) -> str | None:
         """Run `action`; the reason it failed, naming `what`, or None."""
         try:
@@ -568,7 +578,12 @@ class _Job:
         return None
 
     def _saved(self) -> str:
-        """Checkpoint the last consistent state (that of the last finished step) and say where it is."""
+        """Checkpoint the last consistent state (that of the last finished step), unless a checkpoint holds it or
+        nothing was trained, and say where it is."""
+        if self.saved_step == self.done.step:
+            return f"the trainer state is in {self.saved_path}; continue with --resume"
+        if self.done.step == 0:
+            return "nothing was trained: no checkpoint was written"
         failure = self._attempt(self.save, "saving the trainer state")
         if failure is None:
             return f"saved the trainer state to {self.saved_path}; continue with --resume"

@@ -4,6 +4,8 @@ The first signal only sets a flag: the job checks it between steps (on the main 
 that all ranks stop after the same step), saves a checkpoint and exits with 128 + the signal number (130 for
 SIGINT, 143 for SIGTERM, the shell's convention). A second signal abandons the current step at once: it raises
 `StepAbandoned`, and the job saves the last consistent state (that of the last finished step) before exiting.
+`StepAbandoned` is a BaseException, like KeyboardInterrupt, so that library code catching `Exception` (a subprocess
+probe, an engine's start-up wrapping its failures) lets it through wherever the signal lands.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ __all__ = ["StopSignal", "StepAbandoned"]
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class StepAbandoned(Exception):
+class StepAbandoned(BaseException):
     """A second stop signal arrived during a step."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"{signal.Signals(signum).name} received twice: the step was abandoned")
         self.signum = signum
+
+    def __reduce__(self):
+        return type(self), (self.signum,)
 
 
 class StopSignal:

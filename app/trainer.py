@@ -7,7 +7,8 @@
     freeze_reference()   the KL reference becomes a frozen copy of the current policy
     own(folder, key)     lock an output folder for this run (app.folder_lock); `checkpoint.dir` is locked at start
     save(step, state)    checkpoint the trainer and the job's own `state` (JSON values); restore() returns that dict
-    remove_checkpoints() a fresh run's start: delete the checkpoints in `checkpoint.dir` (checkpoint folders only)
+    set_aside_checkpoints() a fresh run's start: move the checkpoints in `checkpoint.dir` to its `previous-run`
+                         folder, deleted once this run has a checkpoint of its own
     close()              release the folders
 
 and reads `model`, `optimizer`, `reference`, `device`, `dp`, `dp_rank`, `dp_group`, `is_main`, and `notes` (one-line
@@ -126,7 +127,7 @@ class Trainer(Protocol):
     def save(self, step: int, state: dict[str, Any]) -> str:
         """Checkpoint `step` (every rank writes its shards) with the job's `state` (JSON values, the main rank's
         kept); returns the step's folder. Raises app.checkpoint.NonFiniteError, writing nothing, for NaN / inf
-        weights."""
+        weights, and app.checkpoint.CheckpointWriteError when the write fails (the older checkpoints are kept)."""
         return str(self.checkpoints.save(step, self._state(), state))
 
     def restore(self) -> dict[str, Any]:
@@ -141,9 +142,10 @@ class Trainer(Protocol):
         self.notes += found.notes
         return {**found.job, "path": str(found.path)}
 
-    def remove_checkpoints(self) -> int:
-        """Delete the checkpoints in `checkpoint.dir` (and unfinished writes); returns how many there were."""
-        return self.checkpoints.remove_all()
+    def set_aside_checkpoints(self) -> int:
+        """Move the checkpoints in `checkpoint.dir` to its `previous-run` folder (unfinished writes are removed);
+        returns how many there were."""
+        return self.checkpoints.set_aside()
 
     def close(self) -> None:
         """Release the folders this run owns."""

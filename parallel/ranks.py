@@ -2,6 +2,7 @@
 
     share(fn)           rank 0 runs fn; its result, or the exception it raised, comes back on every rank
     first_found(value)  the first non-None of every rank's `value`, in rank order, on every rank
+    all_values(value)   every rank's `value`, in rank order, on every rank
 
 Both are collectives: every rank must call them in the same order. Values travel pickled between the ranks'
 memories (never through a file).
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["distributed", "is_main", "share", "first_found"]
+__all__ = ["distributed", "is_main", "rank_and_size", "share", "first_found", "all_values"]
 
 T = TypeVar("T")
 
@@ -29,15 +30,21 @@ def is_main() -> bool:
     return not distributed() or dist.get_rank() == 0
 
 
+def rank_and_size() -> tuple[int, int]:
+    """This process's rank and the number of ranks ((0, 1) without a process group)."""
+    return (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+
+
 def share(fn: Callable[[], T]) -> T:
-    """fn() on rank 0, its result on every rank; an exception raised by fn is raised on every rank."""
+    """fn() on rank 0, its result on every rank; an exception raised by fn (any BaseException, e.g. a stop signal's)
+    is raised on every rank."""
     if not distributed():
         return fn()
     payload: list[Any] = [None]
     if is_main():
         try:
             payload[0] = (True, fn())
-        except Exception as e:  # every rank must leave the broadcast, then all raise it
+        except BaseException as e:  # every rank must leave the broadcast, then all raise it (a stop signal too)
             payload[0] = (False, e)
     dist.broadcast_object_list(payload, src=0)
     ok, value = payload[0]
@@ -46,10 +53,15 @@ def share(fn: Callable[[], T]) -> T:
     return value
 
 
-def first_found(value: T | None) -> T | None:
-    """The first non-None `value` over the ranks (rank order), on every rank."""
+def all_values(value: T) -> list[T]:
+    """Every rank's `value`, in rank order, on every rank."""
     if not distributed():
-        return value
+        return [value]
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
-    return next((v for v in values if v is not None), None)
+    return values
+
+
+def first_found(value: T | None) -> T | None:
+    """The first non-None `value` over the ranks (rank order), on every rank."""
+    return next((v for v in all_values(value) if v is not None), None)

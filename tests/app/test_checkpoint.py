@@ -1,5 +1,6 @@
-"""Checkpoint folders: atomic writes (unfinished writes are invisible and removed on resume), replacement, pruning,
-resume from the newest complete checkpoint, removal of own folders only, refusal of pickles, earlier formats and
+"""Checkpoint folders: atomic writes (unfinished writes are invisible and removed on resume; a failing write removes
+its folder and keeps the older ones), replacement, pruning, resume from the newest usable checkpoint (complete,
+equal to its checksums, finite), a fresh run's set-aside of own folders only, refusal of pickles, earlier formats and
 non-finite weights, JSON RNG states; and the tree picture drawn for TensorBoard."""
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import app.checkpoint
 import app.rl_job
 from app.__main__ import main
 from app.checkpoint import (
+    PREVIOUS_RUN,
     Checkpointer,
     CheckpointError,
+    CheckpointWriteError,
     NonFiniteError,
     check_finite,
     rng_state,
@@ -94,7 +98,7 @@ def test_replace_and_prune(tmp_path):
     assert torch.equal(state["model"]["0.weight"], trained(33).model[0].weight)
 
 
-def test_fresh_run_removes_only_its_own_folders(tmp_path):
+def test_fresh_run_sets_aside_only_its_own_folders(tmp_path):
     checkpoints = Checkpointer(tmp_path)
     checkpoints.save(1, trained(0), JOB)
     (tmp_path / "step-2.tmp").mkdir()
@@ -104,13 +108,168 @@ def test_fresh_run_removes_only_its_own_folders(tmp_path):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / file).write_text("the user's")
     (tmp_path / "step-6").write_text("a file, not a folder")
-    assert checkpoints.remove_all() == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata.tmp", "step-4", "step-5.tmp", "step-6"]
+    assert checkpoints.set_aside() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata.tmp", PREVIOUS_RUN, "step-4", "step-5.tmp",
+                                                          "step-6"]
+    assert sorted(p.name for p in (tmp_path / PREVIOUS_RUN).iterdir()) == ["step-00000003", "step-1"]
     for step in (4, 5):
         with pytest.raises(CheckpointError, match=f"{tmp_path}/step-{step}(.tmp)? is in the way of the checkpoint of "
                                                   f"step {step} and holds other files than a checkpoint's"):
             checkpoints.save(step, trained(0), JOB)
     assert (tmp_path / "step-4" / "notes.txt").is_file() and (tmp_path / "step-5.tmp" / "mine.txt").is_file()
+
+
+def test_a_fresh_run_keeps_the_earlier_checkpoints_until_it_has_one_of_its_own(tmp_path):
+    earlier = Checkpointer(tmp_path)
+    earlier.save(7, trained(7), {"run": "earlier"})
+    fresh = Checkpointer(tmp_path)
+    assert fresh.set_aside() == 1
+    # Killed before its first checkpoint: a resume names where the earlier run's checkpoints are ...
+    with pytest.raises(CheckpointError, match=f"the checkpoints of the run before the last fresh start are in "
+                                              f"{tmp_path / PREVIOUS_RUN}: move its step-N folders back"):
+        restore(Checkpointer(tmp_path), trained(0))
+    # ... and a second fresh start with nothing new to move keeps them.
+    assert Checkpointer(tmp_path).set_aside() == 0
+    assert Checkpointer(tmp_path / PREVIOUS_RUN).load()["run"] == "earlier"
+    fresh.save(1, trained(1), {"run": "fresh"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
+def test_a_failing_write_removes_its_folder_and_keeps_the_older_checkpoints(tmp_path, monkeypatch):
+    checkpoints = Checkpointer(tmp_path, keep=2)
+    checkpoints.save(1, trained(1), JOB)
+    real_save = app.checkpoint.save_tensors
+
+    def disk_full(tensors, folder):
+        real_save(tensors, folder)
+        (folder / "__0_0.distcp").write_bytes(b"partial")
+        raise RuntimeError("unexpected pos 704 vs 598\nmore lines of the writer")
+
+    monkeypatch.setattr(app.checkpoint, "save_tensors", disk_full)
+    with pytest.raises(CheckpointWriteError, match=rf"writing {tmp_path}/step-2.tmp failed \(RuntimeError: unexpected "
+                                                   rf"pos 704 vs 598\); removed it, {tmp_path} keeps step-1$"):
+        checkpoints.save(2, trained(2), JOB)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    monkeypatch.undo()
+    # A failure writing job.json (rank 0's part) is handled the same way.
+    monkeypatch.setattr(app.checkpoint.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(CheckpointWriteError, match=r"failed \(OSError: \[Errno 28\] No space left\)"):
+        checkpoints.save(2, trained(2), JOB)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
+def test_a_write_over_the_file_size_limit_removes_its_folder(tmp_path):
+    """A real full disk: a child process whose file-size limit (ulimit -f, RLIMIT_FSIZE) is below a shard's size."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, sys
+        from app.checkpoint import Checkpointer, CheckpointWriteError
+        from tests.app.test_checkpoint import trained
+        import torch
+        from torch import nn
+        from parallel.checkpoint import TrainingState
+        checkpoints = Checkpointer({str(tmp_path)!r})
+        checkpoints.save(1, trained(1), {{}})
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256)
+        big = TrainingState(model, [torch.optim.AdamW(model.parameters())])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        try:
+            checkpoints.save(2, big, {{}})
+        except CheckpointWriteError as e:
+            print("refused:", e)
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refused: writing" in result.stdout and "removed it" in result.stdout, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
+def test_a_corrupt_shard_of_the_same_size_is_found_by_its_checksum(tmp_path):
+    checkpoints = Checkpointer(tmp_path, keep=3)
+    states = {step: trained(step) for step in (1, 2)}
+    for step, state in states.items():
+        checkpoints.save(step, state, {"step": step})
+    shard = tmp_path / "step-2" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # a damaged block: 4 KB overwritten in place (the tensor data, not the header)
+        f.seek(size // 2)
+        f.write(os.urandom(min(4096, size // 2)))
+    assert shard.stat().st_size == size
+    into = trained(9)
+    found = restore(checkpoints, into)
+    assert found.path == tmp_path / "step-1" and same(into, states[1])
+    assert found.notes == [f"skipped the unusable checkpoint step-2: {shard} does not match its checksum in job.json "
+                           "(the file is corrupt)"]
+
+
+def test_checkpoints_without_checksums_load_with_a_note(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    saved = trained(1)
+    checkpoints.save(1, saved, JOB)
+    job = json.loads((tmp_path / "step-1" / "job.json").read_text())
+    assert sorted(job["sha256"]) == [".metadata", "__0_0.distcp"]
+    del job["sha256"]
+    (tmp_path / "step-1" / "job.json").write_text(json.dumps(job))
+    into = trained(2)
+    found = restore(checkpoints, into)
+    assert same(into, saved)
+    assert found.notes == [f"{tmp_path / 'step-1'} records no checksums (an earlier version wrote it): loaded "
+                           "unverified"]
+
+
+def test_a_non_finite_checkpoint_is_skipped_on_resume(tmp_path):
+    checkpoints = Checkpointer(tmp_path, keep=3)
+    good = trained(1)
+    checkpoints.save(1, good, JOB)
+    bad = trained(2)
+    checkpoints.save(2, bad, JOB)
+    # Written by hand (save refuses it): NaN in the weights, with matching checksums.
+    with torch.no_grad():
+        bad.model[0].weight[0, 0] = float("nan")
+    app.checkpoint.save_tensors(bad.tensors(), tmp_path / "step-2.tmp")
+    job = json.loads((tmp_path / "step-2" / "job.json").read_text())
+    os.replace(tmp_path / "step-2.tmp" / "__0_0.distcp", tmp_path / "step-2" / "__0_0.distcp")
+    os.replace(tmp_path / "step-2.tmp" / ".metadata", tmp_path / "step-2" / ".metadata")
+    job["sha256"] = {name: app.checkpoint._sha256(tmp_path / "step-2" / name) for name in job["sha256"]}
+    (tmp_path / "step-2" / "job.json").write_text(json.dumps(job))
+    into = trained(9)
+    found = restore(checkpoints, into)
+    assert found.path == tmp_path / "step-1" and same(into, good)
+    assert found.notes[-1] == ("skipped the unusable checkpoint step-2: model/0.weight has non-finite values (NaN or "
+                               "inf)")
+
+
+def test_a_non_finite_refusal_after_a_resume_names_the_checkpoint_resumed_from(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, trained(1), JOB)
+    state = trained(2)
+    restore(checkpoints, state)
+    with torch.no_grad():
+        state.model[0].weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=f"this run resumed from {tmp_path / 'step-1'} and has written no "
+                                             "checkpoint since, so the values may come from that checkpoint: move "
+                                             f"step-1 out of {tmp_path} to resume from the one before it"):
+        checkpoints.save(2, state, JOB)
+
+
+def test_an_interrupted_replacement_gets_its_earlier_folder_back(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    saved = trained(3)
+    checkpoints.save(3, saved, JOB)
+    # Killed between the two renames of replacing step-3: the complete earlier folder is step-3.old.tmp.
+    os.replace(tmp_path / "step-3", tmp_path / "step-3.old.tmp")
+    (tmp_path / "step-3.tmp").mkdir()
+    into = trained(0)
+    found = restore(checkpoints, into)
+    assert found.path == tmp_path / "step-3" and same(into, saved)
+    assert found.notes[0] == f"restored {tmp_path / 'step-3'} from an interrupted replacement"
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_newest_complete_one_used(tmp_path):
@@ -120,22 +279,24 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_newest_complete_one_used(
         checkpoints.save(step, state, {"step": step})
     shard = tmp_path / "step-4" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size - 10)
-    # Same length, scrambled bytes: only reading the shard finds it.
+    # Same length, scrambled bytes, in a checkpoint that records no checksums: only reading the shard finds it.
     shard = tmp_path / "step-3" / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))
+    job = json.loads((tmp_path / "step-3" / "job.json").read_text())
+    (tmp_path / "step-3" / "job.json").write_text(json.dumps({k: v for k, v in job.items() if k != "sha256"}))
     (tmp_path / "step-2" / "job.json").write_text('{"format": ')
     into = trained(9)
     found = restore(checkpoints, into)
     assert found.path == tmp_path / "step-1" and found.job == {"step": 1} and same(into, states[1])
     assert len(found.notes) == 3
-    assert found.notes[0].startswith(f"skipped the incomplete checkpoint step-4: shard file {tmp_path}/step-4/"
+    assert found.notes[0].startswith(f"skipped the unusable checkpoint step-4: shard file {tmp_path}/step-4/"
                                      "__0_0.distcp is truncated (")
-    assert found.notes[1] == ("skipped the incomplete checkpoint step-3: reading it failed (UnpicklingError: Weights "
+    assert found.notes[1] == ("skipped the unusable checkpoint step-3: reading it failed (UnpicklingError: Weights "
                               "only load failed)")
-    assert found.notes[2].startswith("skipped the incomplete checkpoint step-2: job.json is unreadable (")
+    assert found.notes[2].startswith("skipped the unusable checkpoint step-2: job.json is unreadable (")
 
     (tmp_path / "step-1" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=f"`checkpoint.resume`: no checkpoint in {tmp_path} is complete "
+    with pytest.raises(CheckpointError, match=f"`checkpoint.resume`: no checkpoint in {tmp_path} is usable "
                                               r"\(step-4: shard file .* is truncated .*; step-1: .*\.metadata is "
                                               r"missing\); run without --resume to start fresh"):
         restore(checkpoints, into)
