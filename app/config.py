@@ -107,7 +107,8 @@ class RolloutSection(RolloutConfig):
     tasks_per_step: int = 8
     """Rollout trees per RL step (one task each)."""
     max_model_len: int = 1024
-    """Longest prompt + generation the engine accepts; longer paths end with end="context_full"."""
+    """Longest prompt + generation the engine accepts; longer paths end with end="context_full". vLLM takes at most
+    the model's `max_position_embeddings` (app.preflight checks it)."""
     engine_seed: int = 0
     """Seed of the engine's own sampling generator (used by requests without a seed, i.e. `seed` unset)."""
     trajectories: str | None = field(default=None, metadata=PATH)

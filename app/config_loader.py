@@ -2,7 +2,8 @@
 
 Every section of a job config is a kw_only dataclass; every field has a type annotation and a default. Unknown keys,
 wrong types, non-finite numbers, files that are not UTF-8 TOML and missing files raise `ConfigError`, whose message
-names the key (with a did-you-mean for typos) or the file and line.
+names the key (with a did-you-mean for typos) or the file and line. A UTF-8 byte-order mark at the start of a file
+(some Windows editors write one) is skipped.
 
 Values as a shell user expects them:
 - `none` (the bare word on the command line, the string "none" in a file) unsets an optional setting, e.g.
@@ -34,6 +35,8 @@ __all__ = ["ConfigError", "PATH", "UNSET", "load_config", "parse_overrides", "to
 PATH = {"path": True}
 #: The value that unsets an optional setting.
 UNSET = "none"
+#: What a byte-order mark decodes to; TOML does not allow one, so a file's leading one is dropped before parsing.
+BYTE_ORDER_MARK = "\ufeff"
 
 
 class ConfigError(ValueError):
@@ -180,7 +183,7 @@ def _read_toml(path: Path) -> dict:
         line = data[: e.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
     try:
-        return tomllib.loads(text)
+        return tomllib.loads(text.removeprefix(BYTE_ORDER_MARK))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 

