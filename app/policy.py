@@ -4,8 +4,8 @@ tokenizer."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -14,8 +14,7 @@ from app.config import ModelSection
 from app.config_loader import ConfigError
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
-from models.hf_config import config_from_hf
-from models.hf_io import load_hf
+from models.hf_io import HFCheckpointError, check_hf, load_hf
 from models.presets import PRESETS, preset
 from rollout.tokenizer import build_char_tokenizer
 
@@ -31,15 +30,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """A fault of the `model.hf_path` checkpoint (HFCheckpointError, naming the file and tensor) as a ConfigError."""
+    try:
+        yield
+    except HFCheckpointError as e:
+        raise ConfigError(f"`model.hf_path`: {e}") from None
+
+
 def architecture(config: ModelSection) -> ModelConfig:
     """The policy's architecture without building it: the preset with the `[model]` overrides, or `hf_path`'s
-    config.json (raises ConfigError naming the key)."""
+    config.json, once the checkpoint passes `models.hf_io.check_hf` (raises ConfigError naming the key)."""
     if config.hf_path is not None:
-        try:
-            raw = json.loads((Path(config.hf_path) / "config.json").read_text())
-            return dataclasses.replace(config_from_hf(raw), dtype=config.dtype)
-        except (OSError, ValueError, KeyError, NotImplementedError) as e:
-            raise ConfigError(f"`model.hf_path`: {config.hf_path}/config.json: {e}") from None
+        with _checkpoint_errors():
+            return dataclasses.replace(check_hf(config.hf_path).config, dtype=config.dtype)
     if config.preset not in PRESETS:
         raise ConfigError(f"`model.preset` must be one of {sorted(PRESETS)}, got {config.preset!r}")
     overrides: dict = dict(dtype=config.dtype)
@@ -76,7 +81,8 @@ def build_policy(config: ModelSection, seed: int) -> tuple[HybridForCausalLM, Pr
     arch = architecture(config)
     tokenizer = build_tokenizer(config, arch.vocab_size)
     if config.hf_path is not None:
-        return load_hf(config.hf_path, dtype=config.dtype), tokenizer
+        with _checkpoint_errors():
+            return load_hf(config.hf_path, dtype=config.dtype), tokenizer
     arch = dataclasses.replace(arch, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
