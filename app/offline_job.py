@@ -14,7 +14,8 @@ Objectives (`job.objective`): "sft" trains the loss_mask tokens with the RL job'
 record's `weight`; tags `sft/`); "rl" runs `[rl]`'s objective as an RL step does (app.rl_job._Job._policy_updates:
 `rl.epochs` updates against the trainer's own old log-probs, truncated IS with the recorded behaviour `logprobs`
 at `rollout.temperature`, KL to the recorded `ref_logprobs`; tags `train/`) with the recorded advantages as they
-are (no GRPO grouping). A record lacking a field the objective needs is a bad record (app.data.trajectories).
+are (no GRPO grouping). A record lacking a field the objective needs, or with a path longer than the model's
+`max_position_embeddings` (or, in duplicate mode, `planner.capacity`), is a bad record (app.data.trajectories).
 
 The run ends after `train.steps` steps, or cleanly (final checkpoint and export) when the records of the last of
 `data.epochs` epochs are used up.
@@ -31,7 +32,7 @@ from rich.console import Console
 
 from app.config import JobConfig
 from app.config_loader import ConfigError
-from app.data import RecordFeed, build_trajectory_feed
+from app.data import RecordFeed, build_trajectory_feed, path_limits
 from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
 from app.objectives import sft_loss
 from app.progress import JobProgress
@@ -77,9 +78,11 @@ class OfflineJob(_Job):
 
     def _feed(self) -> RecordFeed:
         c = self.config
-        vocab_size = self.trainer.model.config.vocab_size
-        return build_trajectory_feed(c.data, c.job.objective, c.rl, vocab_size=vocab_size, seed=c.train.seed,
-                                     whole_trees=c.train.trees_per_step is not None, on_skip=self._print)
+        model = self.trainer.model.config
+        limits = path_limits(model.max_position_embeddings, c.planner.capacity, c.plan_mode)
+        return build_trajectory_feed(c.data, c.job.objective, c.rl, vocab_size=model.vocab_size, limits=limits,
+                                     seed=c.train.seed, whole_trees=c.train.trees_per_step is not None,
+                                     on_skip=self._print)
 
     def _per_step(self) -> int:
         """Feed units (trees) a step takes."""
@@ -91,11 +94,10 @@ class OfflineJob(_Job):
         c = self.config
         trees = self.data.next_batch(self._per_step(), step + 1)
         trajectories = [t for tree in trees for t in tree]
-        try:
+        try:  # paths longer than a microbatch were refused as bad records (app.data.trajectories.path_limits)
             check_inputs(trajectories, c.planner.capacity, self.trainer.dp, split_paths=c.plan_mode != "duplicate")
         except ValueError as e:
-            raise ConfigError(f"`planner.capacity` = {c.planner.capacity}, planner.mode = {c.plan_mode!r}, the "
-                              f"records of step {step + 1}: {e} (planner.mode = 'carry' cuts paths)") from None
+            raise ConfigError(f"planner.mode = {c.plan_mode!r}, the records of step {step + 1}: {e}") from None
         return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
 
     def _total_steps(self) -> int:

@@ -5,19 +5,22 @@ One JSON object per line, one trajectory per object:
     {"tokens": [int, ...],            required, non-empty, ids in [0, 2**32)
      "tree": str | int,               optional rollout-tree id (a tree's paths are consecutive lines)
      "loss_mask": [0/1 or bool, ...], optional, one per token (default: every token but the first)
-     "advantage": float | [float],    optional, scalar or one per token (default 0)
-     "logprobs": [float, ...],        optional behaviour log-probs, one per token
-     "ref_logprobs": [float, ...],    optional reference log-probs, one per token
-     "weight": float,                 optional trajectory loss weight (default 1)
+     "advantage": float | [float],    optional, finite, scalar or one per token (default 0)
+     "logprobs": [float, ...],        optional behaviour log-probs, one per token, finite and <= 0
+     "ref_logprobs": [float, ...],    optional reference log-probs, one per token, finite and <= 0
+     "weight": float,                 optional trajectory loss weight, finite (default 1)
      "reward": float}                 optional trajectory reward
 
-Blank lines are skipped. Any other key is an error (it is likely a typo of one of these).
+Blank lines are skipped. Any other key is an error (it is likely a typo of one of these). Every per-token value
+counts, also where the loss mask is 0: the losses multiply by the mask, and NaN * 0 is NaN (a JSON `null` inside a
+list reads as NaN).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Iterable
 
@@ -28,6 +31,10 @@ from planner.trajectory import Trajectory
 __all__ = ["read_jsonl", "write_jsonl", "parse_record", "TrajectoryFileError", "TrajectoryRecordError"]
 
 _KEYS = ("tokens", "tree", "loss_mask", "advantage", "logprobs", "ref_logprobs", "weight", "reward")
+#: Per-token float keys: every entry must be finite.
+_PER_TOKEN_VALUES = ("advantage", "logprobs", "ref_logprobs")
+#: Per-token keys that are log-probabilities: every entry must also be <= 0.
+_LOG_PROBS = ("logprobs", "ref_logprobs")
 
 
 class TrajectoryFileError(ValueError):
@@ -41,6 +48,10 @@ class TrajectoryRecordError(TrajectoryFileError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+    def describe(self) -> str:
+        """The message with the field in front ("field 'weight': must be a finite number, got NaN")."""
+        return f"field {self.field!r}: {self}" if self.field is not None else str(self)
 
 
 def parse_record(obj) -> Trajectory:
@@ -70,7 +81,7 @@ def parse_record(obj) -> Trajectory:
         if key in obj and not missing and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise TrajectoryRecordError(f"'{key}' must be a number, got {json.dumps(value)}")
     try:
-        return Trajectory(
+        trajectory = Trajectory(
             tokens=np.asarray(tokens, dtype=np.int64),
             loss_mask=obj.get("loss_mask"),
             advantage=obj.get("advantage"),
@@ -83,6 +94,36 @@ def parse_record(obj) -> Trajectory:
     except (ValueError, TypeError, OverflowError) as e:
         # Trajectory's messages name the argument (the key) in backticks.
         raise TrajectoryRecordError(str(e)) from None
+    _check_values(obj, trajectory)
+    return trajectory
+
+
+def _check_values(obj: dict, trajectory: Trajectory) -> None:
+    """Raise TrajectoryRecordError (naming the field) for a non-finite weight, advantage or log-prob, or a positive
+    log-prob, of `trajectory` as parsed from record `obj`."""
+    if not math.isfinite(trajectory.weight):
+        raise TrajectoryRecordError(f"must be a finite number, got {json.dumps(obj['weight'])}", field="weight")
+    for key in _PER_TOKEN_VALUES:
+        values = getattr(trajectory, key)
+        if values is not None:
+            _check_per_token(key, obj.get(key), values)
+
+
+def _check_per_token(key: str, raw, values: np.ndarray) -> None:
+    """Raise TrajectoryRecordError naming `key` and the first bad entry of `values` (parsed from the JSON value
+    `raw`): not finite, or for a log-prob key positive."""
+    log_probs = key in _LOG_PROBS
+    bad = ~np.isfinite(values)
+    if log_probs:
+        bad |= values > 0
+    if not bad.any():
+        return
+    if not isinstance(raw, list):
+        raise TrajectoryRecordError(f"must be a finite number, got {json.dumps(raw)}", field=key)
+    i = int(np.argmax(bad))
+    rule = ("must hold log-probabilities (finite numbers <= 0; 0 for a token without one)" if log_probs else
+            "must hold finite numbers")
+    raise TrajectoryRecordError(f"{rule}, got {json.dumps(raw[i])} at index {i} (of {len(values)} tokens)", field=key)
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:
@@ -109,7 +150,7 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
             try:
                 trajectories.append(parse_record(obj))
             except TrajectoryRecordError as e:
-                raise TrajectoryFileError(f"{where}: {e}") from None
+                raise TrajectoryFileError(f"{where}: {e.describe()}") from None
     if not trajectories:
         raise TrajectoryFileError(f"{path}: the file holds no trajectories (it is empty)")
     return trajectories

@@ -7,7 +7,7 @@ from app.data.errors import DataError, DataExhausted
 from app.data.feed import RecordFeed
 from app.data.stream import RecordStream
 from app.data.tasks import TaskFeed, build_task_feed
-from app.data.trajectories import build_trajectory_feed
+from app.data.trajectories import PathLimit, build_trajectory_feed, path_limits
 
-__all__ = ["DataConfig", "DataError", "DataExhausted", "RecordFeed", "RecordStream", "TaskFeed", "build_task_feed",
-           "build_trajectory_feed"]
+__all__ = ["DataConfig", "DataError", "DataExhausted", "PathLimit", "RecordFeed", "RecordStream", "TaskFeed",
+           "build_task_feed", "build_trajectory_feed", "path_limits"]

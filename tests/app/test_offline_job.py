@@ -162,6 +162,14 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path, records_pe
 
 
 GOOD = '{"tokens": [2, 4, 10, 84, 12], "loss_mask": [0, 0, 1, 1, 1], "advantage": 1.0}'
+#: A path one token longer than the model's max_position_embeddings (4096, tiny-qwen3-next).
+BEYOND_POSITIONS = json.dumps({"tokens": [2] * 4097, "advantage": 1.0})
+LOG_PROBS = "must hold log-probabilities (finite numbers <= 0; 0 for a token without one)"
+
+
+def with_field(text: str) -> str:
+    """GOOD with one more key (`text`: '"key": value')."""
+    return GOOD[:-1] + ", " + text + "}"
 
 
 @pytest.mark.parametrize("line, error", [
@@ -178,7 +186,20 @@ GOOD = '{"tokens": [2, 4, 10, 84, 12], "loss_mask": [0, 0, 1, 1, 1], "advantage"
                                                    "tokenizer)"),
     ('{"tokens": [2, 4, 10], "reward": 1.0}', "field 'advantage': missing: job.objective = 'rl' trains on the "
                                                "recorded advantages"),
-], ids=["no-tokens", "tokens-type", "mask-length", "weight-type", "unknown-key", "json", "vocab", "no-advantage"])
+    (BEYOND_POSITIONS, "field 'tokens': path of 4,097 tokens exceeds the model's max_position_embeddings 4096: "
+                       "shorten or drop it"),
+    (GOOD.replace('"advantage": 1.0', '"advantage": NaN'), "field 'advantage': must be a finite number, got NaN"),
+    (with_field('"weight": Infinity'), "field 'weight': must be a finite number, got Infinity"),
+    (with_field('"weight": NaN'), "field 'weight': must be a finite number, got NaN"),
+    (with_field('"ref_logprobs": [0, -0.5, NaN, -1.0, -2.0]'),
+     f"field 'ref_logprobs': {LOG_PROBS}, got NaN at index 2 (of 5 tokens)"),
+    (with_field('"logprobs": [0, -0.5, Infinity, -1.0, -2.0]'),
+     f"field 'logprobs': {LOG_PROBS}, got Infinity at index 2 (of 5 tokens)"),
+    (with_field('"logprobs": [0, -0.5, -1.0, 0.25, -2.0]'),
+     f"field 'logprobs': {LOG_PROBS}, got 0.25 at index 3 (of 5 tokens)"),
+], ids=["no-tokens", "tokens-type", "mask-length", "weight-type", "unknown-key", "json", "vocab", "no-advantage",
+        "beyond-positions", "nan-advantage", "inf-weight", "nan-weight", "nan-ref-logprobs", "inf-logprobs",
+        "positive-logprobs"])
 def test_a_bad_record_stops_with_its_file_line_and_field(tmp_path, capsys, line, error):
     config = offline_job(tmp_path / "a", [GOOD] * 7 + [line] + [GOOD] * 4)
     assert main([str(config), *RECORDS, "--data.shuffle=false"]) == 2
@@ -213,18 +234,49 @@ def test_skipped_records_are_printed_and_counted(tmp_path, capsys):
     assert Checkpointer(tmp_path / "a" / "ck").load()["data"]["skipped"] == 4  # lines 4 and 13 of epochs 1 and 2 (24 records of 11 per epoch)
 
 
-def test_empty_data_and_a_record_longer_than_a_microbatch_are_errors(tmp_path, capsys):
+def test_empty_data_is_an_error(tmp_path, capsys):
     config = offline_job(tmp_path / "a", ["", "  "])
     assert main([str(config)]) == 2
     assert f"error: no records in {tmp_path / 'a' / 'trees.jsonl'} (every line is blank)" in capsys.readouterr().err
-    config = offline_job(tmp_path / "b")
-    assert main([str(config), "--planner.mode=duplicate", "--planner.capacity=16"]) == 2
+
+
+def test_a_path_longer_than_a_microbatch_is_a_bad_record_in_duplicate_mode_only(tmp_path, capsys):
+    """Duplicate mode runs every path whole in one microbatch: a 60-token path with planner.capacity = 48 stops the
+    run naming its line (after the checkpoint of step 1), or is skipped and counted; carry mode cuts it and trains."""
+    long = json.dumps({"tokens": [2, 4] * 30, "advantage": 1.0})
+    config = offline_job(tmp_path / "a", [GOOD] * 7 + [long] + [GOOD] * 4)
+    args = [str(config), *RECORDS, "--data.shuffle=false", "--train.steps=2"]
+    assert main([*args, "--planner.mode=duplicate"]) == 2
     out = capsys.readouterr().out
     (message,) = [m for m in out.splitlines() if m.startswith("error:")]
-    assert message.startswith("error: at step 1: `planner.capacity` = 16, planner.mode = 'duplicate', the records of "
-                              "step 1: trajectory "), message
-    assert message.endswith("use capacity >= 20 (planner.mode = 'carry' cuts paths)"), message
-    assert main([str(config), "--planner.mode=carry", "--planner.capacity=16", "--train.steps=1"]) == 0
+    path = tmp_path / "a" / "trees.jsonl"
+    assert message == f"error: bad trajectory record at step 2: {path}:8: field 'tokens': path of 60 tokens exceeds " \
+                      "planner.capacity = 48: duplicate mode runs every path whole in one microbatch (a tree may span " \
+                      "several); shorten or drop it, raise planner.capacity to at least its length, or set " \
+                      "planner.mode = 'carry' or 'auto' (without pipeline parallelism), which cut paths; fix the " \
+                      "record or set data.on_bad_record = \"skip\"", message
+    assert Checkpointer(tmp_path / "a" / "ck").load()["progress"] == {"offline_done": 1}
+    assert main([*args, "--planner.mode=duplicate", "--data.on_bad_record=skip"]) == 0
+    assert f"data: skipped {path}:8: field 'tokens': path of 60 tokens exceeds planner.capacity = 48" in \
+        capsys.readouterr().out
+    assert Checkpointer(tmp_path / "a" / "ck").load()["data"]["skipped"] == 1
+    assert main([*args, "--planner.mode=carry"]) == 0
+
+
+def test_a_nan_advantage_skips_its_tree_not_the_step(tmp_path, capsys, records_per_step):
+    """Line 10 (in tree calc-2, lines 9-12) has a NaN advantage: "skip" leaves out the 4 paths of calc-2 and counts
+    them, and every step trains on finite trees (a NaN advantage would make the whole step's loss NaN)."""
+    run, runs = records_per_step
+    lines = EXAMPLE.read_text().splitlines()[:32]
+    lines[9] = json.dumps({**json.loads(lines[9]), "advantage": float("nan")})
+    config = offline_job(tmp_path / "a", lines)
+    assert run(str(config), "--data.shuffle=false", "--data.on_bad_record=skip", "--train.steps=2") == 0
+    out = capsys.readouterr().out
+    assert f"data: skipped {tmp_path / 'a' / 'trees.jsonl'}:10: field 'advantage': must be a finite number, got " \
+           "NaN (with the other 3 records of its tree)" in out
+    assert [[tree for tree, _ in runs[0][step]] for step in (1, 2)] == [["calc-0", "calc-1"], ["calc-3", "calc-4"]]
+    assert scalars(tmp_path / "a", "train/skipped") == {1: 0.0, 2: 0.0}
+    assert Checkpointer(tmp_path / "a" / "ck").load()["data"]["skipped"] == 4
 
 
 def test_a_tree_whose_lines_are_not_consecutive_is_an_error(tmp_path, capsys):
