@@ -41,10 +41,6 @@ class DistributedJob:
         """This rank's data-parallel replica: the planner's replica index of the microbatches it runs."""
         return self.meshes.dp_rank
 
-    @property
-    def is_logging_rank(self) -> bool:
-        return self.rank == 0
-
 
 def init_distributed(config: ParallelConfig, device_type: str | None = None) -> DistributedJob:
     """Initialise the default process group from torchrun's environment and build the meshes.

@@ -1,10 +1,10 @@
-"""Step metrics across data-parallel replicas, logged with torchtitan's metric loggers.
+"""Step metrics across data-parallel replicas.
 
 `reduce_step` sums every replica's `StepMetrics` over the DP group (tp ranks of a replica hold the same numbers and
-are not counted twice) into the scalars of the whole step. `build_metrics_logger` returns torchtitan's
-`TensorBoardLogger` on rank 0 and its no-op `BaseLogger` elsewhere. torchtitan's `MetricsProcessor` is not used: it
-builds a CUDA `DeviceMemoryMonitor` at construction (fails on CPU ranks) and reports MFU from a dense-LM
-flops-per-token that compact tree rows do not follow.
+are not counted twice) into the scalars of the whole step; `global_expert_counts` sums the expert loads. The job logs
+them with app.metrics (TensorBoard). torchtitan's `MetricsProcessor` is not used: it builds a CUDA
+`DeviceMemoryMonitor` at construction (fails on CPU ranks) and reports MFU from a dense-LM flops-per-token that
+compact tree rows do not follow.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from parallel.runner import StepMetrics
 
-__all__ = ["reduce_step", "global_expert_counts", "build_metrics_logger"]
+__all__ = ["reduce_step", "global_expert_counts"]
 
 
 def reduce_step(metrics: StepMetrics, dp_group: dist.ProcessGroup | None, device=None) -> dict[str, float]:
@@ -44,10 +44,3 @@ def global_expert_counts(metrics: StepMetrics, dp_group: dist.ProcessGroup | Non
     it = iter(counts)
     return [None if c is None else next(it) for c in metrics.expert_counts]
 
-
-def build_metrics_logger(log_dir: str, rank: int):
-    """torchtitan `TensorBoardLogger(log_dir)` on rank 0, `BaseLogger` (no-op) elsewhere; call `.log(dict, step)`
-    on every rank and `.close()` at the end."""
-    from torchtitan.components.metrics import BaseLogger, TensorBoardLogger
-
-    return TensorBoardLogger(log_dir) if rank == 0 else BaseLogger()

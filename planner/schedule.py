@@ -79,11 +79,6 @@ class CallSchedule:
         """[num_rounds] replayed positions per round."""
         return np.bincount(self.seq_round, weights=self.seq_replay, minlength=self.num_rounds).astype(np.int64)
 
-    @property
-    def seq_end(self) -> np.ndarray:
-        """[N] end position of each sequence (end of its last segment)."""
-        return self.tree.end[self.seq_segments[self.seq_segment_offsets[1:] - 1]]
-
     def segments_of(self, n: int) -> np.ndarray:
         return self.seq_segments[self.seq_segment_offsets[n] : self.seq_segment_offsets[n + 1]]
 
