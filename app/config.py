@@ -3,8 +3,8 @@
 `configs/*.toml` set only what differs from these defaults. Paths (inputs and outputs, `metadata=PATH`) given in a
 config file are relative to that file, paths given on the command line to the current folder, and default paths to
 the file's folder; `none` unsets an optional setting (app.config_loader). Sections that belong to another package
-reuse its dataclass: `[rollout]` extends `rollout.config.RolloutConfig`, `[rl]` extends `app.losses.PolicyLossConfig`,
-`[parallel]` is `parallel.config.ParallelConfig`.
+reuse its dataclass: `[rollout]` extends `rollout.config.RolloutConfig`, `[rl]` extends
+`app.objectives.PolicyLossConfig`, `[parallel]` is `parallel.config.ParallelConfig`.
 
 Checks of one value or of several values of the config run here, at construction; checks that need the machine, the
 model's architecture or the environment run in app.preflight before the job starts.
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from app.config_loader import PATH, ConfigError
 from app.data.config import DataConfig
-from app.losses import PolicyLossConfig
+from app.objectives import PolicyLossConfig
 from parallel.config import ParallelConfig
 from planner.cost_model import CostModel
 from rollout.config import RolloutConfig

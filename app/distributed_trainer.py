@@ -44,6 +44,7 @@ class DistributedTrainer(Trainer):
     """The rank's part of the policy. `model` must be built identically on every rank (same seed), on the CPU."""
 
     def __init__(self, config: JobConfig, model: HybridForCausalLM, job: DistributedJob) -> None:
+        super().__init__(config)
         c = config
         self.job = job
         self.device = job.device
@@ -51,7 +52,6 @@ class DistributedTrainer(Trainer):
         self.dp = job.config.dp
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
-        self._open_checkpoints(c)
         self.full_copy = copy.deepcopy(model) if self.is_main else None
         wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if job.config.pp > 1
                                     else (parallelize_for_job, CarryRunner))

@@ -5,20 +5,21 @@
            every checkpoint) -> microbatch plan in `planner.mode` -> tree execution -> SFT NLL, or the `[rl]`
            objective on the recorded advantages -> AdamW
 
-The RL job's machinery runs unchanged (app.rl_job._Job): one process or every rank of a torchrun launch, the main
+The job base runs it (app.job.Job, shared with the RL job): one process or every rank of a torchrun launch, the main
 rank reads the step's records and plans them for the D data-parallel replicas (the records' order therefore does
 not depend on the number of ranks), the same checkpoints, --resume, stop signals, skipped steps, TensorBoard run,
 progress bars and HF export. No rollout engine and no environment are started.
 
 Objectives (`job.objective`): "sft" trains the loss_mask tokens with the RL job's SFT loss (token-mean NLL times each
-record's `weight`; tags `sft/`); "rl" runs `[rl]`'s objective as an RL step does (app.rl_job._Job._policy_updates:
+record's `weight`; tags `sft/`); "rl" runs `[rl]`'s objective as an RL step does (app.job.Job._policy_updates:
 `rl.epochs` updates against the trainer's own old log-probs, truncated IS with the recorded behaviour `logprobs`
 at `rollout.temperature`, KL to the recorded `ref_logprobs`; tags `train/`) with the recorded advantages as they
 are (no GRPO grouping). A record lacking a field the objective needs, or with a path longer than the model's
 `max_position_embeddings` (or, in duplicate mode, `planner.capacity`), is a bad record (app.data.trajectories).
 
-The run ends after `train.steps` steps, or cleanly (final checkpoint and export) when the records of the last of
-`data.epochs` epochs are used up.
+The run ends after `train.steps` steps, or earlier (final checkpoint and export) when the trees of `data.epochs`
+epochs hold fewer steps: it runs as many as they hold and says so (a skipped bad record can end the last epoch a
+step earlier, which ends the run the same way).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from app.config import JobConfig
 from app.config_loader import ConfigError
 from app.data import RecordFeed, build_trajectory_feed, path_limits
 from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
-from app.objectives import sft_loss
+from app.losses import sft_loss
 from app.progress import JobProgress
-from app.rl_job import SharedBatch, _Job
-from planner.microbatch import check_inputs
+from models.config import ModelConfig
+from app.job import Job, SharedBatch
+from planner.microbatch.plan import check_inputs
 from planner.trajectory import Trajectory
 
 __all__ = ["run_offline", "OfflineProgress"]
@@ -69,16 +71,18 @@ def record_scalars(trees: list[list[Trajectory]], feed_state: dict) -> dict[str,
     return values
 
 
-class OfflineJob(_Job):
-    progress = OfflineProgress
+class OfflineJob(Job):
+    """Steps of recorded trees: no environment, no engine."""
+
+    Progress = OfflineProgress
     bad_record = "bad trajectory record"
 
-    def _environment(self) -> None:
+    def make_environment(self, tokenizer) -> None:
         return None
 
-    def _feed(self) -> RecordFeed:
+    def make_feed(self, model: ModelConfig, environment: None) -> RecordFeed:
+        """(main rank) The trees of `[data] trajectories`, their paths checked against `model`'s limits."""
         c = self.config
-        model = self.trainer.model.config
         limits = path_limits(model.max_position_embeddings, c.planner.capacity, c.plan_mode)
         return build_trajectory_feed(c.data, c.job.objective, c.rl, vocab_size=model.vocab_size, limits=limits,
                                      seed=c.train.seed, whole_trees=c.train.trees_per_step is not None,
@@ -100,24 +104,35 @@ class OfflineJob(_Job):
             raise ConfigError(f"planner.mode = {c.plan_mode!r}, the records of step {step + 1}: {e}") from None
         return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))
 
-    def _total_steps(self) -> int:
-        """(main rank) `train.steps`, or fewer when the trees of `data.epochs` epochs run out before."""
+    def _total_steps(self) -> tuple[int, str | None]:
+        """(main rank) `train.steps`, or fewer when the trees of `data.epochs` epochs hold fewer steps, with the line
+        that says so."""
         c = self.config
         stream = self.data.stream
         if stream.epochs is None:
-            return c.train.steps
-        return min(c.train.steps, stream.epochs * stream.units_per_epoch // self._per_step())
+            return c.train.steps, None
+        held = stream.epochs * stream.units_per_epoch // self._per_step()
+        if held >= c.train.steps:
+            return c.train.steps, None
+        return held, (f"data: the {stream.epochs} epoch(s) of {stream.units_per_epoch} {self.data.records} hold "
+                      f"{held} steps of {self._per_step()} {self.data.items} (`train.steps` = {c.train.steps}); "
+                      f"stopping after step {held}")
 
     def phases(self, bars: JobProgress) -> None:
+        total, note = self.trainer.share(self._total_steps)
+        if self.done.offline_done < total:
+            self._steps(bars, total)
+        if note is not None:
+            self._print(note)
+
+    def _steps(self, bars: JobProgress, total: int) -> None:
+        """Offline steps from `self.done` to `total`."""
         c = self.config
-        total = self.trainer.share(self._total_steps)
-        if self.done.offline_done >= total:
-            return
         sft = c.job.objective == "sft"
         prefix = "sft" if sft else "train"
         task = bars.phase("offline", total, self.done.offline_done)
         every = max(1, total // 10)
-        for s in range(self.done.offline_done, c.train.steps):
+        for s in range(self.done.offline_done, total):
             start = time.perf_counter()
             shared = self.trainer.share(lambda: self._records(s))
             label = f"offline step {s + 1}"

@@ -12,7 +12,7 @@ from rich.table import Table
 from app.config import JobConfig
 from app.config_loader import ConfigError
 from planner.jsonl import read_jsonl
-from planner.microbatch import check_inputs, plan_microbatches
+from planner.microbatch.plan import check_inputs, plan_microbatches
 from planner.pack import pack
 
 #: Bundled sample of rollout trees, used when the config names no trajectories.

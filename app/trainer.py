@@ -1,5 +1,5 @@
 """Where the policy is trained: the `Trainer` contract, implemented by `LocalTrainer` (one process) and
-`app.distributed_trainer.DistributedTrainer` (every rank of a torchrun launch). The job (app.rl_job) drives either:
+`app.distributed_trainer.DistributedTrainer` (every rank of a torchrun launch). The job (app.job) drives either:
 
     share(fn)            run fn on the main rank (rollout, planning) and hand its result (or its error) to every rank
     set_lr(lr)           learning rate of the next optimizer step
@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -52,10 +52,10 @@ def frozen(model: nn.Module) -> nn.Module:
     return model
 
 
-class Trainer(Protocol):
-    """The contract; its implementations subclass it for the methods both share (everything but `policy` and
-    `freeze_reference`), and call `_open_checkpoints` first when built (the checkpoint folder is locked before any
-    model work)."""
+class Trainer:
+    """The base of both trainers: the contract above, with everything but `policy`, `freeze_reference` and
+    `_runner_for` implemented here. A subclass calls `super().__init__(config)` first (it locks the checkpoint
+    folder before any model work), then sets the attributes below."""
 
     model: nn.Module
     """The policy being trained: a HybridForCausalLM (wrapped by FSDP2 / TP / EP on a rank), or this rank's pipeline
@@ -75,23 +75,29 @@ class Trainer(Protocol):
     runner: StepRunner
     """Runs `model`'s microbatches (train_step, score, clipping)."""
 
-    def policy(self) -> HybridForCausalLM | None: ...
-
-    def freeze_reference(self) -> None: ...
-
-    def _runner_for(self, model: nn.Module) -> StepRunner: ...
-
-    @property
-    def reference_runner(self) -> StepRunner | None:
-        """Scores with `reference` once there is one."""
-        return None if self.reference is None else self._runner_for(self.reference)
-
-    def _open_checkpoints(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig) -> None:
         self.checkpoints = Checkpointer(config.checkpoint.dir, config.checkpoint.keep)
         self.notes = []
         self._wants_reference = config.reference_policy
         self._locks: dict[Path, FolderLock] = {}
         self.own(config.checkpoint.dir, "checkpoint.dir")
+
+    def policy(self) -> HybridForCausalLM | None:
+        """The full policy as a plain model on the main rank, else None."""
+        raise NotImplementedError
+
+    def freeze_reference(self) -> None:
+        """Make the KL reference a frozen copy of the current policy."""
+        raise NotImplementedError
+
+    def _runner_for(self, model: nn.Module) -> StepRunner:
+        """The step runner of `model` (the policy, or the reference in the same layout)."""
+        raise NotImplementedError
+
+    @property
+    def reference_runner(self) -> StepRunner | None:
+        """Scores with `reference` once there is one."""
+        return None if self.reference is None else self._runner_for(self.reference)
 
     def share(self, fn: Callable[[], T]) -> T:
         """fn() on the main rank, its result (or the exception it raised) on every rank."""
@@ -163,8 +169,8 @@ class LocalTrainer(Trainer):
     dp_group = None
 
     def __init__(self, config: JobConfig, model: HybridForCausalLM, device: torch.device) -> None:
+        super().__init__(config)
         c = config
-        self._open_checkpoints(c)
         self.device = device
         self.model = model.to(device)
         self.model.set_activation_checkpointing(c.parallel.recompute())

@@ -51,7 +51,7 @@ from models.ops.varlen_attention.fa4 import native_values
 from models.presets import preset
 from models.tree.attention import TreeAttentionLayout, tree_attention
 from models.tree.branch_attention import branch_attention
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 
 BACKENDS = ("flash", "varlen", "flex")
 #: What `--backends` may name: BACKENDS, FlashAttention-4 (a separate package) and the reference (O(rows^2) memory in

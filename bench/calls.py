@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from planner.calls import build_execution_plan
-from planner.schedule import min_call_schedule
-from planner.segment_tree import SegmentTree
+from planner.calls.plan import build_execution_plan
+from planner.calls.schedule import min_call_schedule
+from planner.calls.segment_tree import SegmentTree
 
 
 def random_tree(num_segments: int, shape: str, max_tokens: int, rng: np.random.Generator):

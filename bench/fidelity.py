@@ -13,7 +13,7 @@ full-vocabulary logit cosine (HARTS eq. 27), and per state-handoff depth the mea
 (eqs. 24-26). With `--oracle`, the same metrics of (1), (2) and (4) against the same weights run flat in float64
 (the question behind them: is tree execution less accurate than trajectory-wise execution?).
 
-`--mode carry --capacity T` adds (5) prefix carry (issue #17): `planner.carry.plan_carry` cuts the trees into parts
+`--mode carry --capacity T` adds (5) prefix carry (issue #17): `planner.carry.plan.plan_carry` cuts the trees into parts
 over microbatches of at most T compact rows (one replica), `parallel.replica.prepare_carry_replica` prepares them
 and `parallel.carry_runner.CarryRunner` runs them in the plan's event order; the top-level metrics are then carry's
 (Arbor's single microbatch stays as the column "arbor"), with the same loss: the MoE aux loss of the whole step's
@@ -49,7 +49,7 @@ from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
 from parallel.replica import prepare_carry_replica
-from planner.carry import CarryPlan, plan_carry
+from planner.carry.plan import CarryPlan, plan_carry
 from planner.jsonl import read_jsonl
 from planner.pack import CompactBatch, pack
 
@@ -255,7 +255,7 @@ def per_layer_divergence(model, mb: Microbatch, backend: str, device) -> list[di
     """Per decoder layer, the fraction of semantic positions whose layer output is not bitwise equal to the flat
     reference's, by the position's handoff depth: for Arbor and for the reference packed in reverse order. Locates
     where (layer, depth) a low-precision tree run first departs from the reference, and how it spreads."""
-    batch, plan = mb.batch, mb.plan
+    batch, plan = mb.batch, mb.call_plan
     ids, pos, cu, _ = packed_inputs(batch, device)
     flat = layer_outputs(model, lambda: model.hidden_states(ids, pos, cu))
     ids_r, pos_r, cu_r, unpack = packed_inputs(batch, device, reverse=True)
@@ -359,7 +359,7 @@ def run(args) -> dict:
 
     arbor, mb = tree_run(model, trajectories, device, True, args.attention)
     # Handoff depth of the row whose logits predict each position (the previous position's row).
-    depth = mb.plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
+    depth = mb.call_plan.handoff_depth[np.where(batch.logit_row >= 0, batch.logit_row, 0)]
     measure("arbor", arbor)
     primary = "arbor"
     if args.mode == "carry":
@@ -391,9 +391,9 @@ def run(args) -> dict:
         "num_trajectories": batch.num_trajectories,
         "semantic_tokens": batch.num_semantic,
         "compact_tokens": batch.num_compact,
-        "num_rounds": mb.plan.num_rounds,
-        "total_replay": mb.plan.total_replay,
-        "max_handoff_depth": int(mb.plan.handoff_depth.max()),
+        "num_rounds": mb.call_plan.num_rounds,
+        "total_replay": mb.call_plan.total_replay,
+        "max_handoff_depth": int(mb.call_plan.handoff_depth.max()),
         **metrics[primary],
         **{name: metrics[name] for name in ("flat_rerun", "flat_repacked", "no_replay")},
         "command": "python -m bench.fidelity " + " ".join(sys.argv[1:]),

@@ -1,4 +1,5 @@
-"""Microbatch planner benchmark: Arbor (planner.microbatch, planner.carry) against the peer baselines (planner.baselines).
+"""Microbatch planner benchmark: Arbor (planner.microbatch.plan, planner.carry.plan) against the peer baselines
+(planner.microbatch.baselines).
 
     python -m bench.planner [--steps 10] [--dp 4] [--capacity 65536] [--workload swe] [--scale 1.0] [--markdown]
                             [--methods arbor,carry,auto,ortools,...]
@@ -26,9 +27,9 @@ import numpy as np
 from bench.workloads import swe_like_step, tau2_like_step
 from models.config import GatedAttentionConfig, KDAConfig, MLAConfig, ModelConfig
 from models.presets import preset
-from planner.baselines import BASELINES
-from planner.carry import CarryPlan, ContextSizes, SortedStep
-from planner.microbatch import MicrobatchPlan, imbalance, plan_microbatches
+from planner.microbatch.baselines import BASELINES
+from planner.carry.plan import CarryPlan, ContextSizes, SortedStep
+from planner.microbatch.plan import MicrobatchPlan, imbalance, plan_microbatches
 from planner.step_plan import plan_step
 
 __all__ = ["context_sizes", "main"]
@@ -40,7 +41,7 @@ CARRY_METHODS = {"carry": "carry", "auto": "auto"}
 def context_sizes(config: ModelConfig) -> ContextSizes:
     """Bytes a carried context item takes in `config`'s model (parameter dtype for keys, values and inputs, fp32
     states), each summed over the layers of its kind. Full attention carries projected keys and values; MLA its normed
-    latent and shared key (`models.tree.carry.LATENT_NAMES`)."""
+    latent and shared key (`models.tree.carry_exchange.LATENT_NAMES`)."""
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[config.dtype]
     full = sum(t == "full_attention" for t in config.layer_types)
     linear = len(config.layer_types) - full

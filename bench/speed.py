@@ -14,7 +14,7 @@ mode's time ratio), the same kernels in every mode
   compact tokens; a tree larger than a microbatch executes its shared prefix in each of its microbatches), then per
   microbatch `models.microbatch.prepare_microbatch` (pack -> minimum-call plan -> TreeLayout, as every trainer rank
   does) -> tree forward -> mapped log-probs -> the same loss -> backward;
-- carry (issue #17): `planner.carry.plan_carry` (parts of at most `capacity` rows, every unique row once), then
+- carry (issue #17): `planner.carry.plan.plan_carry` (parts of at most `capacity` rows, every unique row once), then
   `parallel.replica.prepare_carry_replica` and `parallel.carry_runner.CarryRunner.train_step` with the same loss
   (policy term over the trained positions and the same balance term of each microbatch's MoE statistics). Its
   events interleave microbatches, so a carry pass is timed as a whole (its fastest pass counts).
@@ -57,9 +57,9 @@ from models.recompute import parse_recompute_option
 from models.tree.execute import tree_hidden_states
 from parallel.carry_runner import CarryRunner
 from parallel.replica import prepare_carry_replica
-from planner.carry import plan_carry
+from planner.carry.plan import plan_carry
 from planner.cost_model import CostModel
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory
 
@@ -267,8 +267,8 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
             "compact_tokens": C,
             "compression": S / C,
             "attention_compression": flat_pairs(trajectories) / pairs,
-            "replay_tokens": int(sum(mb.plan.total_replay for mb in mbs)),
-            "rounds_max": int(max(mb.plan.num_rounds for mb in mbs)),
+            "replay_tokens": int(sum(mb.call_plan.total_replay for mb in mbs)),
+            "rounds_max": int(max(mb.call_plan.num_rounds for mb in mbs)),
             "attention_view_rows": sum(view_rows(mb) for mb in mbs),
             "planning_seconds": plan_seconds,
         })

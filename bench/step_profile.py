@@ -52,8 +52,8 @@ from models.decoder import HybridForCausalLM
 from models.presets import preset
 from models.recompute import parse_recompute_option
 from parallel.carry_runner import CarryRunner
-from planner.carry import plan_carry
-from planner.microbatch import plan_microbatches
+from planner.carry.plan import plan_carry
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 
 

@@ -21,8 +21,8 @@ import torch
 from bench.workloads import swe_like_step
 from models.tree.attention import tree_attention
 from models.tree.layout import build_attention_layout
-from planner.calls import plan_calls
-from planner.microbatch import plan_microbatches
+from planner.calls.plan import plan_calls
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 
 

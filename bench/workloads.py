@@ -23,7 +23,7 @@ root segment (the 3-token chat-template start, shared by all trees of the step) 
     1-16-token answers, like Figure 7's E) and a helper subtree (a ~256-token prompt fanning out into 100-1,500-token
     branches that may fork again, like F and I).
 Calibration (seeds 0-3): the whole-step trie compresses 8.4-9.0x; the minimum-work contiguous partition at
-T = 65,536 (planner.microbatch_search.exact_dp) compresses 5.1-5.9x, as HARTS's 5.6x after partitioning.
+T = 65,536 (planner.microbatch.search.exact_dp) compresses 5.1-5.9x, as HARTS's 5.6x after partitioning.
 No path is longer than `max_path_tokens` (the microbatch capacity T = 65,536 of HARTS).
 
 tau2-like steps (AReaL-DTA, tau2-bench: 9.43x compression over all sequences, 5.56x over leaves only). GRPO groups of

@@ -4,13 +4,13 @@ inputs, plus the replica's order of forward and backward events.
 
 Legend: S scored semantic positions of a microbatch, C its own compact rows.
 
-Every tree (one connected component of the step's trie) is packed alone (`planner.pack.pack` of its trajectories);
-its parts are ranges of that trie's preorder rows (`models.tree.carry_layout`), so every unique row runs once in the
-whole step. A microbatch scores the positions whose logit rows it holds; each position's loss inputs are those of
+Every tree (one connected component of the step's trie) is packed alone (`planner.pack.pack` of its trajectories); its
+parts are ranges of that trie's preorder rows (`models.tree.carry_microbatch_layout`), so every unique row runs once in
+the whole step. A microbatch scores the positions whose logit rows it holds; each position's loss inputs are those of
 its tree under the step's normalisers (`models.microbatch.LossInputs`, so a trajectory split over microbatches is
 averaged over all of its positions). MoE statistics weight each own row by its multiplicity in the tree, and a
-microbatch's token share is its rows' multiplicity sum over the step's positions, so the router z-loss summed over
-the step equals the trajectory-wise one; the load-balancing loss stays a per-microbatch quantity, as without carry.
+microbatch's token share is its rows' multiplicity sum over the step's positions, so the router z-loss summed over the
+step equals the trajectory-wise one; the load-balancing loss stays a per-microbatch quantity, as without carry.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from models.config import ModelConfig
 from models.microbatch import Aggregation, LossInputs, StepNormalizer
-from models.tree.carry_layout import CarryLayout, Part, carry_layouts
+from models.tree.carry_microbatch_layout import CarryLayout, Part, carry_layouts
 from planner.pack import pack
 from planner.trajectory import Trajectory
 
@@ -141,7 +141,7 @@ def prepare_carry_step(
         if normalizer is not None:
             tokens = float(c.layout.row_weight.sum())
             loss = _loss_inputs(tree_inputs, c.parts, c.scored, tokens / max(normalizer.semantic_tokens, 1.0))
-        out.append(CarryMicrobatch(c.parts, c.layout, c.links, c.plan, c.scored, c.num_compact, loss))
+        out.append(CarryMicrobatch(c.parts, c.layout, c.links, c.call_plan, c.scored, c.num_compact, loss))
     if events is None:
         events = [("forward", m) for m in range(len(out))] + [("backward", m) for m in reversed(range(len(out)))]
     events = _check_events(events, len(out))
@@ -149,5 +149,5 @@ def prepare_carry_step(
     if any(slot < 0 for _, slot in events):
         (c,) = carry_layouts({0: pack([Trajectory(np.ones(2, dtype=np.int64))])}, [[Part(0, 0, 2)]],
                              model.chunk_size, model.conv_size, False, False, device)
-        null = CarryMicrobatch(c.parts, c.layout, c.links, c.plan, c.scored, c.num_compact)
+        null = CarryMicrobatch(c.parts, c.layout, c.links, c.call_plan, c.scored, c.num_compact)
     return CarryStep(out, events, null)

@@ -301,7 +301,7 @@ class HybridForCausalLM(nn.Module):
                            attention_backend: Backend = "dense") -> DecoderOutput:
         """Final-normed hidden states `[C, D]` of the layout's physical rows and per-layer MoE statistics
         (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`. A ready
-        context (a `TreeContext` subclass such as the prefix carry's `models.tree.carry.CarryContext`) runs as
+        context (a `TreeContext` subclass such as the prefix carry's `models.tree.carry_exchange.CarryContext`) runs as
         given, with its own backend."""
         ctx = layout if isinstance(layout, TreeContext) else TreeContext(layout, attention_backend)
         layout = ctx.layout
@@ -309,7 +309,7 @@ class HybridForCausalLM(nn.Module):
         if linear is not None and linear.chunk_size != layout.chunk_size:
             raise ValueError(
                 f"the plan was made with chunk_size {layout.chunk_size} but the model's linear attention uses "
-                f"{linear.chunk_size}: plan with planner.calls.plan_calls(batch, chunk_size={linear.chunk_size})"
+                f"{linear.chunk_size}: plan with planner.calls.plan.plan_calls(batch, chunk_size={linear.chunk_size})"
             )
         return self.decode(self.model.embed_tokens(layout.tokens), ctx)
 

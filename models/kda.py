@@ -28,7 +28,7 @@ from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
 from models.ops import kda_core, l2_norm
 from models.ops.gate import kda_decay
-from models.ops.kda.calls import fla_kda_calls
+from models.ops.kda.tree_calls import fla_kda_calls
 
 
 @dataclass

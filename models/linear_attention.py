@@ -55,7 +55,7 @@ class LinearAttention(nn.Module):
     core_op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
     calls_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Fast path of `core_calls` where fla runs (`models.ops.kda.calls.fla_kda_calls`); None: call by call."""
+    """Fast path of `core_calls` where fla runs (`models.ops.kda.tree_calls.fla_kda_calls`); None: call by call."""
 
     def __init__(self, conv_channels: int, conv_size: int, chunk_size: int):
         super().__init__()

@@ -4,7 +4,7 @@ Legend: S semantic positions of a microbatch (original order), C compact rows.
 
 `prepare_microbatch` is what every caller uses (the trainer's ranks through `parallel.replica`, the benchmarks,
 the tests): pack the trajectories (`planner.pack`), plan the linear-attention calls with the model's chunk size
-(`planner.calls`), build the device tensors every layer reads (`models.tree.layout.TreeLayout`) and, when the
+(`planner.calls.plan`), build the device tensors every layer reads (`models.tree.layout.TreeLayout`) and, when the
 step's normalisers are given, the per-position tensors of the loss (`LossInputs`). A `Microbatch` carries all of
 them, so a loss reads its inputs from the microbatch it is handed.
 
@@ -24,7 +24,7 @@ import torch
 
 from models.config import ModelConfig
 from models.tree.layout import TreeLayout
-from planner.calls import ExecutionPlan, plan_calls
+from planner.calls.plan import ExecutionPlan, plan_calls
 from planner.cost_model import CostModel
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
@@ -113,7 +113,7 @@ class Microbatch:
 
     batch: CompactBatch
     """The trie of the microbatch's trajectories and their per-position metadata (numpy, original order)."""
-    plan: ExecutionPlan
+    call_plan: ExecutionPlan
     """Its minimum-call plan (physical row order, rounds, replay; numpy)."""
     layout: TreeLayout
     """What every layer of tree execution reads (device tensors, physical row order)."""

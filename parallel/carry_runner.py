@@ -3,9 +3,9 @@ carry microbatches (`models.carry_microbatch.CarryStep`) event by event, in the 
 
 Legend: S scored positions of a microbatch.
 
-A forward event runs `model(context, ...)` under the microbatch's `models.tree.carry.CarryContext` (the tree
+A forward event runs `model(context, ...)` under the microbatch's `models.tree.carry_exchange.CarryContext` (the tree
 forward entered as a module, as in `PlainRunner`, so a parallelized model's units see it), then the loss callback,
-and keeps the loss and the exports (`models.tree.carry.CarryExchange`); a backward event runs the microbatch's
+and keeps the loss and the exports (`models.tree.carry_exchange.CarryExchange`); a backward event runs the microbatch's
 backward with the gradients its consumers sent to its exports. The same `MicrobatchLoss` and `StepMetrics` as
 `PlainRunner`; the step's gradient is the sum over its microbatches, as there.
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from models.carry_microbatch import CarryMicrobatch, CarryStep
-from models.tree.carry import CarryExchange
+from models.tree.carry_exchange import CarryExchange
 from parallel.host_offload import host_offload, offloaded_forwards
 from parallel.plain_runner import PlainRunner
 from parallel.runner import MicrobatchLoss, StepMetrics, StepSums

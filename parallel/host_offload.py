@@ -14,7 +14,7 @@ inputs, which the hooks park, so the bound holds for every recompute option (the
 
 Parameters and views of them stay on the device (`stays`), so FSDP2's unsharded parameters are neither copied nor
 detached from their resharding; so do integer tensors. What a microbatch exports to later ones, and the gradients
-its consumers send back, stay on the device too (`models.tree.carry.CarryExchange`).
+its consumers send back, stay on the device too (`models.tree.carry_exchange.CarryExchange`).
 """
 
 from __future__ import annotations

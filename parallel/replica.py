@@ -3,7 +3,7 @@ normalisers.
 
 Legend: D data-parallel replicas, K microbatches of the step.
 
-The step's plan (`planner.microbatch.plan_microbatches` over all trajectories with the job's D) is the same on
+The step's plan (`planner.microbatch.plan.plan_microbatches` over all trajectories with the job's D) is the same on
 every rank (made on the main rank and broadcast, or made on each: the planner is deterministic). Each replica
 takes its microbatches in slot order, the replicas sum their trained-token counts into the step's
 `models.microbatch.StepNormalizer`, and each microbatch is prepared once (`models.microbatch.prepare_microbatch`):
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from models.carry_microbatch import CarryStep, prepare_carry_step
 from models.config import ModelConfig
 from models.microbatch import Aggregation, Microbatch, StepNormalizer, prepare_microbatch, trained_counts
-from planner.carry import CarryPlan
+from planner.carry.plan import CarryPlan
 from planner.cost_model import CostModel
-from planner.microbatch import MicrobatchPlan
+from planner.microbatch.plan import MicrobatchPlan
 from planner.trajectory import Trajectory
 
 __all__ = ["replica_microbatches", "step_normalizer", "prepare_replica", "prepare_carry_replica", "prepare_planned"]

@@ -40,7 +40,7 @@ class CompactBatch:
         seg_offsets [G+1]: segment g owns rows [seg_offsets[g], seg_offsets[g+1]).
         seg_parent: parent segment, -1 for a root segment.
         seg_start, seg_end: position interval [start, end) of the segment; for a child, seg_start is its fork position.
-        (Derived segment structure, e.g. depth and children: planner.segment_tree.SegmentTree.from_batch.)
+        (Derived segment structure, e.g. depth and children: planner.calls.segment_tree.SegmentTree.from_batch.)
     Semantic positions ([S], original trajectory order, trajectory i at [traj_offsets[i], traj_offsets[i+1])):
         sem_to_compact: the map m, row of each semantic position.
         logit_row: row whose logits predict this position's token (m of the previous position), -1 for a first token.

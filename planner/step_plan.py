@@ -2,9 +2,9 @@
 
     plan = plan_step(trajectories, capacity=65_536, dp=4, mode="auto")  # MicrobatchPlan or CarryPlan
 
-- duplicate: `planner.microbatch.plan_microbatches`; trajectories are whole, a tree split over microbatches executes
-  its shared prefix in each of them (a trajectory longer than the capacity is an error).
-- carry: `planner.carry.plan_carry`; every unique row once per tree (tree = planner/carry_balance.py's unit).
+- duplicate: `planner.microbatch.plan.plan_microbatches`; trajectories are whole, a tree split over microbatches
+  executes its shared prefix in each of them (a trajectory longer than the capacity is an error).
+- carry: `planner.carry.plan.plan_carry`; every unique row once per tree (tree = planner/carry/balance.py's unit).
 - auto: the carry plan, then for every tree larger than the capacity the cheaper of carrying it and duplicating it
   by the cost model (`CostModel.prefers_carry`): carrying adds the view rows of its cuts and the context rows its
   parts read; duplicating splits its trajectories into the contiguous groups of pack's order of at most T rows each
@@ -27,10 +27,10 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from planner.carry import CarryPlan, SortedStep, plan_carry, plan_units
-from planner.carry_balance import Unit, balance_units
+from planner.carry.plan import CarryPlan, SortedStep, plan_carry, plan_units
+from planner.carry.balance import Unit, balance_units
 from planner.cost_model import CostModel
-from planner.microbatch import MicrobatchPlan, check_inputs, plan_microbatches
+from planner.microbatch.plan import MicrobatchPlan, check_inputs, plan_microbatches
 from planner.trajectory import Trajectory
 
 __all__ = ["MODES", "Mode", "plan_step", "duplicate_groups"]

@@ -28,7 +28,7 @@ import numpy as np
 from app.config_loader import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
-from app.losses import PolicyLossConfig
+from app.objectives import PolicyLossConfig
 from planner.jsonl import TrajectoryRecordError, parse_record
 from planner.trajectory import Trajectory
 from rollout.envs.records import RecordError

@@ -64,8 +64,8 @@ def branch_groups(cu_q: np.ndarray, cu_kv: np.ndarray, max_view_rows: int, kv_in
     views on the host, from which each gathering group's gradient sums are planned. Host tensors
     (`models.tree.device_copy.to_device` moves them).
 
-    The layout's contract (`models.tree.layout`, `models.tree.carry_layout`): branch n's view in `kv_index` is its
-    ancestors, then `arange(cu_q[n], cu_q[n+1])`, its own physical rows; so a group whose view offsets equal its
+    The layout's contract (`models.tree.layout`, `models.tree.carry_microbatch_layout`): branch n's view in `kv_index`
+    is its ancestors, then `arange(cu_q[n], cu_q[n+1])`, its own physical rows; so a group whose view offsets equal its
     query offsets (no ancestors) has its own query rows as its view (`own_rows`)."""
     groups, n, N = [], 0, cu_q.size - 1
     while n < N:

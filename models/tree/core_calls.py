@@ -2,13 +2,13 @@
 
 Legend: C compact rows (physical order), T_k core-input rows of call k, N_k sequences of call k, M states in the table.
 
-A round of `planner.calls` is one packed call that also returns intermediate chunk-boundary states (the starts of
+A round of `planner.calls.plan` is one packed call that also returns intermediate chunk-boundary states (the starts of
 side branches). Chunk kernels such as fla's return only each sequence's final state. The requested states are
 chunk-aligned, so cutting a sequence at its requested chunk starts leaves its chunk list unchanged: piece j covers
 whole chunks, starts from the final state of piece j-1, and its own final state is the state at the next cut.
 Call j of a round packs piece j of every sequence that has one. Exact, fp32 states, gradients through the kernel's
 own initial/final-state support; cost: 1 + (most cuts in one sequence) calls for the round instead of one. On fla's
-KDA kernels only the state recurrences pay that (`models.ops.kda.calls` runs the chunk-local kernels once per
+KDA kernels only the state recurrences pay that (`models.ops.kda.tree_calls` runs the chunk-local kernels once per
 layer); the reference and GDN run the calls one by one (`models.linear_attention.LinearAttention.core_calls`).
 
 States live in one table, in the order they are produced: entry 0 is the zero state, then the plan's outside states
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.calls import ExecutionPlan, RoundPlan
+from planner.calls.plan import ExecutionPlan, RoundPlan
 from planner.index_arrays import offsets
 
 __all__ = ["CoreCall", "core_calls", "core_calls_and_exports"]

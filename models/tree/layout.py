@@ -49,7 +49,7 @@ def build_attention_layout(
     Args:
         batch: the packed microbatch (compact rows in trie preorder).
         physical_to_compact: [C] compact row of each physical row; compact_to_physical [C]: its inverse
-            (planner.calls.ExecutionPlan holds both).
+            (planner.calls.plan.ExecutionPlan holds both).
         cu_seqlens: [N+1] branch boundaries in physical rows; each branch must be one path in position order.
         max_view_rows: view rows per branch-attention kernel call (default C: no group's gathered keys/values
             outgrow the microbatch's own).
@@ -158,7 +158,7 @@ class CoreCalls:
     reads only entries written before it (a later piece of a cut sequence, or a side branch's chunk-aligned start).
 
     calls: the calls in order; call_rows: their input rows. cu_seqlens, chunk_indices, chunk_offsets: every piece of
-    every call as one packed sequence each, on the device, with fla's chunk bookkeeping (`models.ops.kda.calls`).
+    every call as one packed sequence each, on the device, with fla's chunk bookkeeping (`models.ops.kda.tree_calls`).
     table_size: 1 + Y + all calls' pieces. chains: the same pieces per plan round, each sequence's pieces as one
     chain (`models.tree.round_chains`: a round in one launch).
     """
@@ -266,8 +266,8 @@ class TreeLayout:
 
     @staticmethod
     def build(batch: CompactBatch, plan, conv_size: int, device=None) -> "TreeLayout":
-        """From a packed microbatch and its planner.calls.ExecutionPlan; conv_size W of the linear-attention layers.
-        The linear-attention mixers run on the calls' rows (`mixer_rows`)."""
+        """From a packed microbatch and its planner.calls.plan.ExecutionPlan; conv_size W of the linear-attention
+        layers. The linear-attention mixers run on the calls' rows (`mixer_rows`)."""
         p2c = plan.physical_to_compact
         c2p = plan.compact_to_physical
         logit_row = np.where(batch.logit_row >= 0, c2p[np.maximum(batch.logit_row, 0)], -1)

@@ -5,7 +5,7 @@ Trajectories are numbered by their line among the file's non-blank lines (0-base
 parts cut anywhere) or auto (per tree, by the cost model). `--json` prints, for a duplicate plan,
 {"microbatches": [{"trajectories": [...], "replica": int, "slot": int, "compact_tokens": int}, ...],
  "total_compact_tokens": int, "planning_seconds": float};
-for a carry plan `planner.carry.CarryPlan.to_json()`: microbatches with their parts (tree, start, stop,
+for a carry plan `planner.carry.plan.CarryPlan.to_json()`: microbatches with their parts (tree, start, stop,
 context_rows) and the slots they read, the trees' trajectories, every replica's events, `total_compact_tokens`
 (executed rows) next to `trie_compact_tokens`, `max_context_rows`, `max_open_microbatches`, `extra_view_rows`,
 `empty_events`, `slot_imbalance` (HARTS eq. 23 per slot: p50, p95, max) and `planning_seconds`.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from planner.carry import CarryPlan
+from planner.carry.plan import CarryPlan
 from planner.jsonl import read_jsonl
 from planner.step_plan import MODES, plan_step
 

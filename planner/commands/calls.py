@@ -15,8 +15,8 @@ import numpy as np
 
 from planner.jsonl import read_jsonl
 from planner.pack import pack
-from planner.schedule import CallSchedule, min_call_schedule
-from planner.segment_tree import SegmentTree, segment_tree_from_json
+from planner.calls.schedule import CallSchedule, min_call_schedule
+from planner.calls.segment_tree import SegmentTree, segment_tree_from_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import app.checkpoint
+import app.job
 import app.rl_job
 from app.__main__ import main
 from app.checkpoint import (
@@ -370,7 +371,7 @@ def test_non_finite_weights_are_refused(tmp_path):
 
 
 def test_job_stops_with_one_error_line_instead_of_checkpointing_non_finite_weights(tmp_path, capsys, monkeypatch):
-    build = app.rl_job.build_policy
+    build = app.job.build_policy
 
     def diverged(*args):
         model, tokenizer = build(*args)
@@ -378,7 +379,7 @@ def test_job_stops_with_one_error_line_instead_of_checkpointing_non_finite_weigh
             model.lm_head.weight[3, 5] = float("inf")
         return model, tokenizer
 
-    monkeypatch.setattr(app.rl_job, "build_policy", diverged)
+    monkeypatch.setattr(app.job, "build_policy", diverged)
     assert main([str(write_job(tmp_path))]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [

@@ -109,7 +109,7 @@ def test_offline_job_trains_on_the_recorded_trees(tmp_path, capsys, objective):
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert "offline step  12/12" in out and "exported the policy" in out
-    assert "data: the 2 epoch(s) of 24 trees are used up" in out
+    assert "data: the 2 epoch(s) of 24 trees hold 12 steps of 4 trees (`train.steps` = " in out
     checkpoints = Checkpointer(tmp_path / "a" / "ck")
     assert checkpoints.load()["progress"] == {"offline_done": 12}
     acc = events(tmp_path / "a")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import app.job
 import app.rl_job
 from app.__main__ import main
 from app.checkpoint import Checkpointer
@@ -86,43 +87,43 @@ def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tm
     """On CUDA (faked: only the device is resolved) the kernel cache is `kernel-cache` beside `checkpoint.dir`; the
     user's TRITON_CACHE_DIR wins over that default, `train.kernel_cache` over both; a folder that cannot be made is
     an error naming the key."""
-    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
     for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
         monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
         monkeypatch.delenv(name)
     monkeypatch.setattr(kernel_cache, "_set_here", None)
     monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     job = str(write_job(tmp_path))
-    cache = app.rl_job._kernel_cache(load_config(JobConfig, job, []))
+    cache = app.job._kernel_cache(load_config(JobConfig, job, []))
     assert cache.folder == tmp_path / "kernel-cache" and cache.folder.is_dir() and cache.source == "default"
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
-    assert app.rl_job._kernel_cache(load_config(JobConfig, job, [])).folder == tmp_path / "user"
-    cache = app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'kc'}"]))
+    assert app.job._kernel_cache(load_config(JobConfig, job, [])).folder == tmp_path / "user"
+    cache = app.job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'kc'}"]))
     assert cache.folder == tmp_path / "kc" and cache.source == "train.kernel_cache"
     assert os.environ[TRITON_CACHE_ENV] == str(tmp_path / "kc")
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="`train.kernel_cache`: cannot create"):
-        app.rl_job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
+        app.job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
 
 
 def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4):
     """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode and the job's line names it; the
     default "auto" without flash-attn-4 is flash, saying why; fa4 without it is one error naming the key and the
     fix; another value is refused by the config loader; CPU jobs ignore the key."""
-    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
     job, model = str(write_job(tmp_path)), preset("tiny-qwen3-next")
-    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]), model)
+    line = app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]), model)
     assert cuda_attention() == "flash" and line == "attention kernels: flash"
-    line = app.rl_job._use_attention_kernels(load_config(JobConfig, job, []), model)
+    line = app.job._use_attention_kernels(load_config(JobConfig, job, []), model)
     assert cuda_attention() == "flash"
     assert line.startswith('attention kernels: flash (train.attention_kernels = "auto": flash-attn-4 is not importable')
     with pytest.raises(ConfigError, match="attention_kernels"):
         load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
     with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
-        app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]), model)
+        app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]), model)
     assert cuda_attention() == "flash"
-    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cpu"))
-    assert app.rl_job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]),
+    monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cpu"))
+    assert app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]),
                                              model) is None
     assert cuda_attention() == "flash"
 
@@ -130,13 +131,13 @@ def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4
 def test_gpu_jobs_run_fa4_by_default_where_it_can_run(tmp_path, monkeypatch, fake_fa4):
     """"auto" takes fa4 for a model whose attention head dims fa4 was tested with, and flash, naming the dims, for
     one whose were not."""
-    monkeypatch.setattr(app.rl_job, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
     config = load_config(JobConfig, str(write_job(tmp_path)), [])
-    line = app.rl_job._use_attention_kernels(config, preset("tiny-kimi-linear"))
+    line = app.job._use_attention_kernels(config, preset("tiny-kimi-linear"))
     assert cuda_attention() == "fa4"
     assert line == ('attention kernels: fa4 (train.attention_kernels = "auto": flash-attn-4 can run here, on head '
                     'dims it was tested with)')
-    line = app.rl_job._use_attention_kernels(config, preset("qwen3-next-80b-a3b"))
+    line = app.job._use_attention_kernels(config, preset("qwen3-next-80b-a3b"))
     assert cuda_attention() == "flash" and "head dims 256/256 GQA" in line
 
 

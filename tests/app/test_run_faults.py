@@ -17,6 +17,7 @@ import pytest
 from safetensors import SafetensorError
 
 import app.checkpoint
+import app.job
 import app.rl_job
 import models.hf_io
 from app.__main__ import main
@@ -66,7 +67,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_resumes_exactly(tmp_path, uni
 
 
 def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkeypatch, uninterrupted):
-    prepare = app.rl_job.prepare_planned
+    prepare = app.job.prepare_planned
     calls = []
 
     def crash_in_rl_step_2(*args, **kwargs):
@@ -75,7 +76,7 @@ def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkey
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(app.rl_job, "prepare_planned", crash_in_rl_step_2)
+    monkeypatch.setattr(app.job, "prepare_planned", crash_in_rl_step_2)
     config = write_job(tmp_path)
     assert main([str(config), "--checkpoint.interval=0"]) == 1
     out = capsys.readouterr().out
@@ -112,14 +113,14 @@ def test_too_many_skipped_steps_stop_with_the_last_finite_state(tmp_path, capsys
 
 
 def test_the_export_runs_even_when_the_final_checkpoint_fails(tmp_path, capsys, monkeypatch):
-    save = app.rl_job._Job.save
+    save = app.job.Job.save
 
     def final_save_fails(job):
         if job.done.rl_done == job.config.train.steps:
             raise OSError(28, "No space left on device")
         save(job)
 
-    monkeypatch.setattr(app.rl_job._Job, "save", final_save_fails)
+    monkeypatch.setattr(app.job.Job, "save", final_save_fails)
     assert main([str(write_job(tmp_path)), "--checkpoint.interval=0"]) == 2
     out = capsys.readouterr().out
     assert "error: the final checkpoint failed: [Errno 28] No space left on device" in out
@@ -204,7 +205,7 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_keeps_the_earlier_run(tm
     def crash(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(app.rl_job, "prepare_planned", crash)
+    monkeypatch.setattr(app.job, "prepare_planned", crash)
     assert main([str(config)]) == 1
     out = capsys.readouterr().out
     assert "nothing was trained: no checkpoint was written" in out

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.losses import PolicyLossConfig, policy_loss
-from app.objectives import RouterLossConfig, rl_loss
+from app.objectives import PolicyLossConfig, policy_loss
+from app.losses import RouterLossConfig, rl_loss
 from app.train_step import optimizer_step
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
@@ -25,7 +25,7 @@ from models.decoder import HybridForCausalLM
 from models.presets import preset
 from parallel.plain_runner import PlainRunner
 from parallel.replica import prepare_replica
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from tests.reference import reference_token_weights
 
 CHUNK = 16

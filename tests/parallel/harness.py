@@ -5,7 +5,7 @@ an exception in any rank fails the test with that rank's traceback.
 
 `compare_step(...)`, run in every rank: build the same small model on every rank (same seed), compute the reference
 in-process on the plain model (the whole step packed as ONE batch, tests.reference.reference_token_weights over all
-positions), then parallelize a copy, plan the step's microbatches (planner.microbatch, capacity = compact rows per
+positions), then parallelize a copy, plan the step's microbatches (planner.microbatch.plan, capacity = compact rows per
 microbatch), prepare this replica's (`parallel.replica.prepare_replica`), run them with
 `parallel.plain_runner.PlainRunner`, and compare the summed loss
 and every parameter gradient (gathered with DTensor.full_tensor) with the reference.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.losses import PolicyLossConfig, policy_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
@@ -36,8 +36,8 @@ from parallel.launch import init_distributed, parallelize_for_job
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.plain_runner import PlainRunner
 from parallel.replica import prepare_replica
-from planner.calls import plan_calls
-from planner.microbatch import plan_microbatches
+from planner.calls.plan import plan_calls
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from tests.reference import reference_token_weights
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.losses import PolicyLossConfig, policy_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from models.carry_microbatch import prepare_carry_step
 from models.decoder import HybridForCausalLM
 from models.microbatch import StepNormalizer, trained_counts
@@ -19,7 +19,7 @@ from parallel.carry_runner import CarryRunner
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.metrics import reduce_step
-from tests.models.tree.test_carry_layout import carry_parts
+from tests.models.tree.test_carry_microbatch_layout import carry_parts
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
 
 

@@ -25,11 +25,11 @@ from models.decoder import FlatContext, flat_context
 from models.linear_attention import LinearAttention
 from models.microbatch import StepNormalizer, trained_counts
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
-from models.tree.carry import LATENT_NAMES, NAMES, CarryExchange
+from models.tree.carry_exchange import LATENT_NAMES, NAMES, CarryExchange
 from parallel import carry_runner
 from parallel.carry_runner import CarryRunner
 from planner.pack import pack
-from tests.models.tree.test_carry_layout import carry_parts, step_trees
+from tests.models.tree.test_carry_microbatch_layout import carry_parts, step_trees
 from tests.models.tree.test_execute import make_model
 from tests.models.test_recompute import OPTIONS
 from tests.reference import reference_token_weights
@@ -133,11 +133,11 @@ def test_carry_equals_trajectory_wise(name, recompute):
     # at part boundaries (external roots), replay from carried rows and states at carried anchors.
     assert len(step) >= 3
     assert max(len(mb.links.producers) for mb in step) >= 2
-    external = [mb.plan.schedule.tree for mb in step]
+    external = [mb.call_plan.schedule.tree for mb in step]
     forks = {int(t.start[g]) % B for t in external for g in np.flatnonzero(t.external >= 0)}
     assert {B - 1, 0, 1} <= forks, forks
-    assert any(mb.plan.external_context.size for mb in step)
-    assert any(mb.plan.external_state_context.size for mb in step)
+    assert any(mb.call_plan.external_context.size for mb in step)
+    assert any(mb.call_plan.external_state_context.size for mb in step)
 
     model.set_activation_checkpointing(recompute)
     runner = CarryRunner(model)

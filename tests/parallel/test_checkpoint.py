@@ -12,7 +12,7 @@ from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.plain_runner import PlainRunner
 from parallel.replica import prepare_replica
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from tests.parallel.harness import run_ranks, small_config, step_trajectories
 
 

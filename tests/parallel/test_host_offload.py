@@ -10,7 +10,7 @@ import torch
 from parallel import host_offload
 from parallel.carry_runner import CarryRunner
 from parallel.host_offload import offloaded_forwards, stays
-from tests.models.tree.test_carry_layout import step_trees
+from tests.models.tree.test_carry_microbatch_layout import step_trees
 from tests.models.tree.test_execute import make_model
 from models.recompute import SelectiveRecompute
 from tests.models.test_decoder import build

@@ -11,7 +11,7 @@ from models.norms import RMSNorm
 from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
 from parallel.parallelize import apply_compile
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.pack import pack
 from tests.parallel.harness import small_config, step_trajectories
 

@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 
-from app.losses import PolicyLossConfig, policy_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from models.decoder import HybridForCausalLM
 from parallel.metrics import reduce_step
 from parallel.plain_runner import PlainRunner
 from parallel.replica import prepare_replica
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from tests.parallel.harness import TOLERANCES, reference_step, small_config, step_trajectories, z_loss
 
 

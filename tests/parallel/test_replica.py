@@ -7,7 +7,7 @@ import torch
 
 from models.microbatch import token_weights
 from parallel.replica import prepare_replica, replica_microbatches, step_normalizer
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from tests.parallel.harness import small_config, step_trajectories
 from tests.reference import reference_token_weights

@@ -18,7 +18,7 @@ from models.tree.layout import TreeLayout
 from parallel.checkpoint import TrainingState, build_optimizers, save_tensors
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.pack import pack
 from planner.trajectory import Trajectory
 from tests.parallel.harness import compare_step, run_ranks, small_config

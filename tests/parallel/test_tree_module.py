@@ -15,7 +15,7 @@ from models.tree.layout import TreeLayout
 from parallel.collectives import copy_to_group
 from parallel.tree_module import use_vocab_parallel_logprobs
 from parallel.vocab_parallel import vocab_parallel_compact_logprobs
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.pack import pack
 from tests.parallel.harness import run_ranks, small_config, step_trajectories
 

@@ -1,11 +1,12 @@
-"""planner.baselines: every peer planner returns a valid plan (coverage, capacity, K mod D, equal replica counts)."""
+"""planner.microbatch.baselines: every peer planner returns a valid plan (coverage, capacity, K mod D, equal replica
+counts)."""
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench.workloads import swe_like_step
-from planner.baselines import BASELINES, areal_plan, ortools_plan
+from planner.microbatch.baselines import BASELINES, areal_plan, ortools_plan
 from planner.pack import pack
 from planner.trajectory import Trajectory
 from tests.planner.test_microbatch import check_plan

@@ -1,13 +1,14 @@
-"""HARTS Algorithm 1 (planner/min_calls.py, planner/schedule.py) against a brute force and the paper's worked cases."""
+"""HARTS Algorithm 1 (planner/calls/min_calls.py, planner/calls/schedule.py) against a brute force and the paper's
+worked cases."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from planner.min_calls import direct_children, mandatory_replay, min_calls
-from planner.schedule import min_call_schedule, schedule_sequences
-from planner.segment_tree import SegmentTree
+from planner.calls.min_calls import direct_children, mandatory_replay, min_calls
+from planner.calls.schedule import min_call_schedule, schedule_sequences
+from planner.calls.segment_tree import SegmentTree
 
 
 def brute_force(tree: SegmentTree, B: int, max_delay: int = 0) -> dict:

@@ -1,15 +1,16 @@
-"""ExecutionPlan (planner/calls.py): layout invariants and an exact simulation of the rounds on packed trajectories."""
+"""ExecutionPlan (planner/calls/plan.py): layout invariants and an exact simulation of the rounds on packed
+trajectories."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.calls import build_execution_plan, plan_calls, plan_segment_tree
-from planner.min_calls import mandatory_replay
+from planner.calls.plan import build_execution_plan, plan_calls, plan_segment_tree
+from planner.calls.min_calls import mandatory_replay
 from planner.pack import pack
-from planner.schedule import min_call_schedule
-from planner.segment_tree import SegmentTree
+from planner.calls.schedule import min_call_schedule
+from planner.calls.segment_tree import SegmentTree
 from planner.trajectory import Trajectory
 from tests.planner.trees import rollout_batches
 

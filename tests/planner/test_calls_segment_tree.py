@@ -1,10 +1,10 @@
-"""SegmentTree (planner/segment_tree.py): validation and derived structure."""
+"""SegmentTree (planner/calls/segment_tree.py): validation and derived structure."""
 
 import numpy as np
 import pytest
 
 from planner.pack import pack
-from planner.segment_tree import SegmentTree
+from planner.calls.segment_tree import SegmentTree
 from planner.trajectory import Trajectory
 
 

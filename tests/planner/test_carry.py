@@ -1,13 +1,13 @@
-"""planner.carry: every guarantee of a carry plan, with rows, contexts and reads recounted by planner.pack."""
+"""planner.carry.plan: every guarantee of a carry plan, with rows, contexts and reads recounted by planner.pack."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.carry import ContextSizes, SortedStep, plan_carry
-from planner.carry_balance import Unit
-from planner.microbatch import plan_microbatches
+from planner.carry.plan import ContextSizes, SortedStep, plan_carry
+from planner.carry.balance import Unit
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory
 from tests.planner.trees import rollout_batches

@@ -1,4 +1,4 @@
-"""planner.microbatch: guarantees of every returned plan, eq. 5 against a trie count, errors."""
+"""planner.microbatch.plan: guarantees of every returned plan, eq. 5 against a trie count, errors."""
 
 import itertools
 
@@ -8,14 +8,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.lcp_index import LcpIndex
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory
 from tests.planner.trees import rollout_batches
 
 
 def check_plan(plan, trajectories, capacity, dp):
-    """Every guarantee of planner.microbatch, with work recounted by an independent trie (planner.pack)."""
+    """Every guarantee of planner.microbatch.plan, with work recounted by an independent trie (planner.pack)."""
     mbs = plan.microbatches
     covered = sorted(i for mb in mbs for i in mb.trajectories)
     assert covered == list(range(len(trajectories))), "exact coverage"

@@ -4,7 +4,7 @@ import json
 
 from planner.__main__ import main
 from planner.jsonl import read_jsonl
-from planner.microbatch import MicrobatchPlan, PlannedMicrobatch
+from planner.microbatch.plan import MicrobatchPlan, PlannedMicrobatch
 from planner.pack import pack
 from tests.planner.test_microbatch import check_plan
 

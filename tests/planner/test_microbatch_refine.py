@@ -1,4 +1,4 @@
-"""planner.microbatch_refine / _balance / _greedy: every step keeps a valid grouping with exact work accounting."""
+"""planner.microbatch.refine / .balance / .greedy: every step keeps a valid grouping with exact work accounting."""
 
 import numpy as np
 from hypothesis import assume, given, settings
@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from bench.workloads import swe_like_step
 from planner.lcp_index import LcpIndex
-from planner.microbatch_balance import balance_atoms
-from planner.microbatch_greedy import POLICIES, greedy_grouping, processing_orders, trie_greedy
-from planner.microbatch_refine import (
+from planner.microbatch.balance import balance_atoms
+from planner.microbatch.greedy import POLICIES, greedy_grouping, processing_orders, trie_greedy
+from planner.microbatch.refine import (
     Grouping,
     _best_move,
     _best_swap,
@@ -17,7 +17,7 @@ from planner.microbatch_refine import (
     refine_boundaries,
     sparse_repair,
 )
-from planner.microbatch_search import exact_dp, natural_partition
+from planner.microbatch.search import exact_dp, natural_partition
 from planner.pack import pack
 from tests.planner.trees import rollout_batches
 

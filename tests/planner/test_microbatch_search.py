@@ -1,4 +1,4 @@
-"""planner.lcp_index and planner.microbatch_search against brute force and an independent trie (planner.pack)."""
+"""planner.lcp_index and planner.microbatch.search against brute force and an independent trie (planner.pack)."""
 
 import itertools
 import sys
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.lcp_index import LcpIndex, lexicographic_lcp
-from planner.microbatch_search import (
+from planner.microbatch.search import (
     best_split,
     evolve,
     exact_dp,

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from bench.workloads import swe_like_step
-from planner.carry import CarryPlan, SortedStep
-from planner.carry_balance import Unit
-from planner.microbatch import MicrobatchPlan, plan_microbatches
+from planner.carry.plan import CarryPlan, SortedStep
+from planner.carry.balance import Unit
+from planner.microbatch.plan import MicrobatchPlan, plan_microbatches
 from planner.pack import pack
 from planner.step_plan import duplicate_groups, plan_step
 from planner.trajectory import Trajectory

@@ -20,7 +20,7 @@ initial-state gradient is written to `dh0` `[N_r, HV, K, V]`; the caller adds it
 
 Launch configs: BV and warps/stages of the stock kernels' tuned entries for flat's calls on this GPU
 (`models.ops.tuned_configs`), so tree and flat run the same tiles; where fla would autotune instead, the caller runs
-the stock kernels call by call (`models.ops.kda.calls`). Zeros: fla adds an initial state to a literal zero (so a
+the stock kernels call by call (`models.ops.kda.tree_calls`). Zeros: fla adds an initial state to a literal zero (so a
 -0 entry reads as +0); a chain's later pieces continue from registers, as flat's uncut sequences do.
 """
 

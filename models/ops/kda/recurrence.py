@@ -4,7 +4,7 @@ dispatch would run fla's own Triton kernels.
 
 Legend: T_j a call's rows, NT_j its chunks, N_j its sequences, H query/key heads, HV value heads, K/V head dims.
 
-A tree layer's calls (`models.ops.kda.calls`) run everything but the recurrences once over all calls. Where fla's
+A tree layer's calls (`models.ops.kda.tree_calls`) run everything but the recurrences once over all calls. Where fla's
 dispatch (`fla.backends`) would run the default Triton kernels with tuned configs, the recurrences run round by round
 on the same kernels' chain variant (`models.ops.kda.chains`); otherwise here. fla's dispatch can route these two
 functions to another implementation (in fla 0.6.0 the intra-card context parallel forward when enabled, under

@@ -5,7 +5,7 @@ variable must be set before Triton decorates any kernel, so `test_kda_chains.py`
 The layer calls of `kda_calls_cases` (sequences dropping out of later calls, continuing, uncut; from outside states
 or zeros; then no second round, one whose two sequences share a start, or one of three sequences where two share a
 start, one starts from zeros and one continues over two calls) and two planner plans, forward round by round and
-backward in reverse with the initial-state gradients added between rounds as `models.ops.kda.calls` adds them. Head
+backward in reverse with the initial-state gradients added between rounds as `models.ops.kda.tree_calls` adds them. Head
 dims: one block of 64 (every layout), two (the plans) and four partial ones (the three-sequence rounds); more value
 heads than key heads; chunks of 64 and 16. fp32. Prints one JSON line: for each case the largest difference of each
 output relative to the reference's largest magnitude, and how far the recomputation's chunk states are from the
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from models.ops.kda.calls import _add_initial_gradients
+from models.ops.kda.tree_calls import _add_initial_gradients
 from models.ops.kda.chains import bwd_dhu_chains, fwd_h_chains
 from models.ops.kda.naive_chains import naive_bwd_dhu_chains, naive_fwd_h_chains
 from models.tree.core_calls import core_calls

@@ -1,4 +1,4 @@
-"""The fla op of a tree layer's KDA calls (`models.ops.kda.calls`) against its reference, the call-by-call loop of
+"""The fla op of a tree layer's KDA calls (`models.ops.kda.tree_calls`) against its reference, the call-by-call loop of
 `LinearAttention.core_calls` on fla's `chunk_kda`: outputs, the state table and every gradient, bitwise (CUDA only;
 where two pieces share a start, the gradients to rounding).
 On the host: the calls' layout and fla's chunk bookkeeping computed without fla (`fla_chunk_arrays`)."""
@@ -112,7 +112,7 @@ def test_chain_recurrences_run_where_fla_dispatch_would_run_its_own_kernels(back
 def test_fla_calls_refuse_what_fla_cannot_run(planned, runs, head_dim, message):
     """The calls' path checks the limits the plain fla path checks (`check_fla_kda_limits`), and that the calls
     were planned for the mixer's chunk size, before any kernel."""
-    from models.ops.kda.calls import fla_kda_calls
+    from models.ops.kda.tree_calls import fla_kda_calls
 
     calls = CoreCalls.build(layer_calls(ROUNDS["single call"]), planned, table_start=4)
     T = sum(calls.call_rows)
@@ -137,7 +137,7 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
     start from one state the autograd loop adds its gradients in another order, and there they agree to rounding;
     the chains' gradients are bitwise the dispatched calls' everywhere (each entry's gradient is added in the same
     order, up to commuting one addition)."""
-    from models.ops.kda import calls as kda_calls, chains, chunk
+    from models.ops.kda import chains, chunk, tree_calls
 
     config = KDAConfig(num_heads=16, head_dim=128, chunk_size=B)  # ling-3-tiny's heads: kernels cached
     mixer = KimiDeltaAttention(config, hidden_size=256, eps=1e-5).cuda()
@@ -153,7 +153,7 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
                     "calls run the stock kernels call by call here, not the chains")
 
     def run(fused: bool, chain_kernels: bool = own_kernels):
-        monkeypatch.setattr(kda_calls, "default_kernels_run", lambda name, kwargs: chain_kernels)
+        monkeypatch.setattr(tree_calls, "default_kernels_run", lambda name, kwargs: chain_kernels)
         leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
         mixer.calls_op = type(mixer).calls_op if fused else None
         h0 = leaves["initial_state"] if outside else None
@@ -164,7 +164,7 @@ def test_fla_calls_match_call_by_call_bitwise(pieces, outside, side, own_kernels
         return o, table, dict(zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])))
 
     o_ref, table_ref, grads_ref = run(fused=False)
-    for module in (chunk, kda_calls):
+    for module in (chunk, tree_calls):
         monkeypatch.setattr(module, "in_recomputed_part", lambda: recomputing)
     o, table, grads = run(fused=True)
     o_kept, table_kept, grads_kept = run(fused=False)

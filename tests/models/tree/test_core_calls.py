@@ -12,7 +12,7 @@ import pytest
 
 from bench.branching import nested_fork_trajectories
 from models.tree.core_calls import core_calls
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.pack import pack
 
 

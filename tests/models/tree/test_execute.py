@@ -21,7 +21,7 @@ from models.moe import load_balancing_loss, router_z_loss
 from models.presets import preset
 from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.cost_model import CostModel
 from planner.pack import pack
 from bench.branching import nested_fork_trajectories
@@ -164,7 +164,7 @@ def test_flat_expansion_equals_flat_float64(name):
     assert flat_mb.num_compact == flat_mb.num_semantic > trie_mb.num_compact
     assert all(g.own_rows for g in flat_mb.layout.attention.groups)
     for mb in (flat_mb, trie_mb):
-        assert mb.plan.view_rows(mb.batch.positions) == mb.layout.attention.kv_index.numel()
+        assert mb.call_plan.view_rows(mb.batch.positions) == mb.layout.attention.kv_index.numel()
 
     lp_t, out = tree_logprobs(model, flat_mb.layout)
     loss_t, _ = objective(lp_t, out.moe_stats, flat_mb.batch)

@@ -16,7 +16,7 @@ import torch
 from models.linear_attention import CoreInputs
 from models.tree.mixers import linear_attention_states, read_rows
 from models.tree.layout import TreeLayout
-from planner.calls import plan_calls
+from planner.calls.plan import plan_calls
 from planner.pack import pack
 from bench.branching import nested_fork_trajectories
 from tests.models.tree.test_execute import make_model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.lcp_index import LcpIndex
-from planner.microbatch_refine import Grouping, align_k, eliminate_small, shared_prefix
+from planner.microbatch.refine import Grouping, align_k, eliminate_small, shared_prefix
 
 __all__ = ["processing_orders", "greedy_grouping", "trie_greedy"]
 

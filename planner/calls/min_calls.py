@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.segment_tree import SegmentTree
+from planner.calls.segment_tree import SegmentTree
 
 __all__ = ["min_calls", "direct_children", "mandatory_replay", "check_chunk_size"]
 

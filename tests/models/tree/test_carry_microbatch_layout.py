@@ -1,5 +1,5 @@
-"""Carry layouts (`models.tree.carry_layout`, prepared by `models.carry_microbatch.prepare_carry_step`): the parts
-of a step's trees execute every trie row once and score every position once, the links between microbatches fit
+"""Carry layouts (`models.tree.carry_microbatch_layout`, prepared by `models.carry_microbatch.prepare_carry_step`): the
+parts of a step's trees execute every trie row once and score every position once, the links between microbatches fit
 their exports, and bad parts or events are refused with one clear error. Exactness against trajectory-wise
 training: tests/parallel/test_carry_runner.py (which cuts trees with the helpers here).
 """

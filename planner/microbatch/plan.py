@@ -12,17 +12,17 @@ lexicographically by HARTS eq. 4: (total work, sum over slots of the heaviest mi
 then by fewer slots (HARTS leaves ties open; each microbatch has fixed costs: a layout, launches, FSDP gathers).
 
 Search, in order (all trajectory sets are handled as lexicographic ranks, planner/lcp_index.py):
- 1. contiguous candidates (planner/microbatch_search.py): when K_min * N <= `exact_cells`, the exact minimum-work
+ 1. contiguous candidates (planner/microbatch/search.py): when K_min * N <= `exact_cells`, the exact minimum-work
     contiguous partition over every K that is a multiple of D (one DP indexed by K mod D); otherwise HARTS's natural
     partition evolved by merges/splits to at most `q_max` sampled K of eq. 8. Each gets boundary refinement
     (`window`, `sweeps`), which can only rebalance an exact partition.
- 2. the trie-aware greedy candidate (planner/microbatch_greedy.py), when N <= `greedy_max_n`.
- 3. the `anchors` candidates of least work are refined without contiguity (planner/microbatch_refine.py): light
+ 2. the trie-aware greedy candidate (planner/microbatch/greedy.py), when N <= `greedy_max_n`.
+ 3. the `anchors` candidates of least work are refined without contiguity (planner/microbatch/refine.py): light
     microbatches are dissolved into others while that adds no work; every K on the way that is a multiple of D is
     kept (a final unaligned K is aligned by the cheaper of cuts and further dissolving), and the last (least work)
     gets sparse repair (moves and swaps within `window` ranks, `repair_iterations` at most).
  4. the candidates of least total work are balanced by moving whole prefix-disjoint subtrees between microbatches,
-    which never adds work (planner/microbatch_balance.py).
+    which never adds work (planner/microbatch/balance.py).
  5. every candidate gets HARTS's greedy replica and slot assignment (`assign_slots`); the least by eq. 4 is returned.
 Step 1's DP is exact over contiguous partitions; steps 2-5 and the assignment are heuristics.
 """
@@ -36,10 +36,10 @@ from typing import Sequence
 import numpy as np
 
 from planner.lcp_index import LcpIndex
-from planner.microbatch_balance import balance_atoms
-from planner.microbatch_greedy import trie_greedy
-from planner.microbatch_refine import Grouping, eliminate_small, refine_boundaries, sparse_repair
-from planner.microbatch_search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
+from planner.microbatch.balance import balance_atoms
+from planner.microbatch.greedy import trie_greedy
+from planner.microbatch.refine import Grouping, eliminate_small, refine_boundaries, sparse_repair
+from planner.microbatch.search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
 from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
@@ -103,7 +103,8 @@ class MicrobatchPlan:
 
 def check_inputs(trajectories: Sequence[Trajectory], capacity: int, dp: int, *, split_paths: bool = False
                  ) -> np.ndarray:
-    """Validate planner inputs (shared with planner/baselines.py and planner/carry.py). Returns the lengths [N] int64.
+    """Validate planner inputs (shared with planner/microbatch/baselines.py and planner/carry/plan.py). Returns the
+    lengths [N] int64.
 
     split_paths: the plan may cut a trajectory anywhere and leave replicas empty (carry mode), so neither a
     trajectory longer than `capacity` nor fewer trajectories than `dp` is an error.

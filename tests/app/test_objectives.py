@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from app.advantages import assign_advantages
-from app.losses import PolicyLossConfig, policy_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from planner.trajectory import Trajectory
 
 

@@ -8,7 +8,7 @@ A tree (one connected component of the step's trie, packed alone by `planner.pac
 contiguous ranges [start, stop) of its preorder rows. In preorder every ancestor of a part's rows that lies outside
 the part is an ancestor of its first row, so a part's context is one root path, the rows at positions 0 .. P-1
 above its first row. A microbatch holds whole parts (of one or several trees) and executes their rows only: its
-segment tree has an external root (`planner.segment_tree.SegmentTree.external`, path = the part's index in the
+segment tree has an external root (`planner.calls.segment_tree.SegmentTree.external`, path = the part's index in the
 microbatch) wherever a row's parent is a context row, and its plan starts such a root at a(p) = floor(p/B)*B from
 the path's state there, replaying the path's rows [a(p), p).
 
@@ -19,7 +19,7 @@ of four kinds:
 - "replay": core inputs (q, k, v, g, beta) of the context rows that sequences replay;
 - "state": the linear-attention state at an anchor a(p) > 0 of the context path, i.e. the state after the
   producer's row at a(p) - 1 (a requested chunk-boundary state of the producer's plan,
-  `planner.calls.ExecutionPlan.exported_states`).
+  `planner.calls.plan.ExecutionPlan.exported_states`).
 Row exports are physical rows of the producer, state exports indices of its state table. An import of a kind is a
 list of runs (producer slot, indices into the producer's export of that kind); concatenated in order they are the
 carried rows in the order this layout reads them: by part, then position.
@@ -41,11 +41,11 @@ from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import core_calls_and_exports
 from models.tree.device_copy import to_device
 from models.tree.layout import TreeLayout, ancestor_rows
-from planner.calls import ExecutionPlan, build_execution_plan
+from planner.calls.plan import ExecutionPlan, build_execution_plan
 from planner.index_arrays import offsets
 from planner.pack import CompactBatch
-from planner.schedule import min_call_schedule
-from planner.segment_tree import SegmentTree
+from planner.calls.schedule import min_call_schedule
+from planner.calls.segment_tree import SegmentTree
 
 __all__ = ["KINDS", "Part", "CarryLinks", "CarryLayout", "carry_layouts"]
 
@@ -99,7 +99,7 @@ class CarryLayout:
     """What every layer reads (own rows in physical order; carried rows after them where a layer reads them)."""
     links: CarryLinks
     """What it imports from earlier microbatches and exports to later ones."""
-    plan: ExecutionPlan
+    call_plan: ExecutionPlan
     """The linear-attention plan of its own rows (external roots where a part hangs below its context)."""
     scored: list[np.ndarray]
     """Per part: the positions of its tree's semantic arrays scored here (ascending); log-probs come in this order."""

@@ -9,17 +9,17 @@ Legend: N trajectories, T capacity (compact rows per microbatch), D DP replicas 
 Trees. `plan.trees[u]` are the trajectory indices of tree u; its rows are those of `planner.pack.pack` of these
 trajectories, in pack's preorder (tree-local ids 0 .. R_u - 1). A tree is a rank range of pack's order
 (`planner.lcp_index.lexicographic_lcp(..., byteorder=">")`), so its rows follow from that order and the adjacent LCPs
-(planner/carry_rows.py) without building a trie. The trees are the trie's connected components, split where two
+(planner/carry/rows.py) without building a trie. The trees are the trie's connected components, split where two
 trajectories share only a few rows (for SWE-like steps: the 3-token chat-template start every rollout tree hangs
-from), which are then executed once per tree (planner/carry_balance.py). Executed rows = the step's trie rows plus
+from), which are then executed once per tree (planner/carry/balance.py). Executed rows = the step's trie rows plus
 those shared prefixes. In auto mode (planner/step_plan.py) a tree may also be a group of whole trajectories of at
 most T rows that is never cut (one part): a duplicated tree.
 
 Parts. A part is a contiguous preorder row range [start, stop) of one tree, cut anywhere (also inside one path, so a
 trajectory longer than T plans). Its context, what it reads of its tree's earlier parts, is the root path of row
 `start` without the row itself: `context_rows` = the position of that row. All parts of a tree run on one replica,
-in increasing slots (planner/carry_layout.py says how the rows of a replica are laid out so that few microbatches
-stay open); every replica runs the same sequence of event kinds (planner/carry_events.py).
+in increasing slots (planner/carry/slots.py says how the rows of a replica are laid out so that few microbatches
+stay open); every replica runs the same sequence of event kinds (planner/carry/events.py).
 
 Guarantees (tests/planner/test_carry.py): the parts of every tree cover its rows exactly once; every microbatch holds
 at most T rows; a microbatch only reads microbatches of its replica in earlier slots and is backwarded after every
@@ -34,12 +34,12 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.carry_balance import Unit, balance_units
-from planner.carry_events import part_reads, shared_events
-from planner.carry_layout import layout_replica
-from planner.carry_rows import UnitRows
+from planner.carry.balance import Unit, balance_units
+from planner.carry.events import part_reads, shared_events
+from planner.carry.slots import layout_replica
+from planner.carry.rows import UnitRows
 from planner.lcp_index import lexicographic_lcp
-from planner.microbatch import check_inputs, imbalance, objective, slot_work
+from planner.microbatch.plan import check_inputs, imbalance, objective, slot_work
 from planner.trajectory import Trajectory
 
 __all__ = ["CarryPart", "CarryMicrobatch", "CarryPlan", "ContextSizes", "ContextBound", "SortedStep", "plan_carry",
@@ -169,7 +169,7 @@ class CarryPlan:
         return slot_work(*self._assignment(), self.dp)
 
     def objective(self) -> tuple[int, int, int, int]:
-        """HARTS eq. 4 and then the number of slots (`planner.microbatch.objective`), on executed rows."""
+        """HARTS eq. 4 and then the number of slots (`planner.microbatch.plan.objective`), on executed rows."""
         return objective(*self._assignment(), self.dp)
 
     def context_bound(self, sizes: ContextSizes) -> ContextBound:
@@ -297,7 +297,7 @@ def plan_carry(trajectories: Sequence[Trajectory], capacity: int, dp: int, *, to
     Args:
         trajectories: root-to-leaf paths of any number of trees; a path may be longer than `capacity`.
         capacity: T, rows per microbatch. dp: D replicas (a replica may get no work when there are too few trees).
-        tolerance, split_budget: replica balance (planner.carry_balance.balance_units).
+        tolerance, split_budget: replica balance (planner.carry.balance.balance_units).
     Raises:
         ValueError / TypeError: empty input, or capacity or dp not an int >= 1.
     """

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.microbatch_refine import Grouping
+from planner.microbatch.refine import Grouping
 
 __all__ = ["balance_atoms"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.carry_rows import UnitRows
+from planner.carry.rows import UnitRows
 
 __all__ = ["PartReads", "part_reads", "asap_peak", "shared_events"]
 

@@ -2,7 +2,7 @@
 exported and export what later ones read; `CarryExchange` holds those tensors between the step's events.
 
 Legend: C own compact rows (physical order), P / Xc / X / Y carried attention, conv, replay rows and states
-(`models.tree.carry_layout`), D model dim, X_ conv channels, HV value heads, K/V head dims.
+(`models.tree.carry_microbatch_layout`), D model dim, X_ conv channels, HV value heads, K/V head dims.
 
 Per layer (`CarryContext.mix`), besides what `models.tree.mixers` does for a tree microbatch:
 - full attention: keys and values are [own C; carried P] (`TreeAttentionLayout.context_rows`); it exports the keys
@@ -33,7 +33,7 @@ from models.attention_core import AttentionRows
 from models.linear_attention import CoreInputs, LinearAttention
 from models.mla import MLA
 from models.tree.attention import tree_attention
-from models.tree.carry_layout import CarryLinks, Index
+from models.tree.carry_microbatch_layout import CarryLinks, Index
 from models.tree.mixers import TreeContext, linear_attention_states, read_rows
 from models.tree.regions import region
 

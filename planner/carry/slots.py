@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.carry_rows import UnitRows
+from planner.carry.rows import UnitRows
 
 __all__ = ["Piece", "layout_replica"]
 

@@ -1,4 +1,4 @@
-"""Peer microbatch planners, for comparison with planner.microbatch only (bench/planner.py). Not used for training.
+"""Peer microbatch planners, for comparison with planner.microbatch.plan only (bench/planner.py). Not used for training.
 
 Legend: N trajectories, K microbatches, D DP replicas, T capacity. Every baseline returns a MicrobatchPlan whose
 microbatches are nonempty, cover every trajectory once and hold at most T tokens of work, K being a multiple of D and
@@ -32,7 +32,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.lcp_index import LcpIndex
-from planner.microbatch import MicrobatchPlan, assign_slots, check_inputs, plan_from_groups
+from planner.microbatch.plan import MicrobatchPlan, assign_slots, check_inputs, plan_from_groups
 from planner.trajectory import Trajectory
 
 __all__ = ["ortools_plan", "dta_plan", "areal_plan", "trajectory_wise_plan", "BASELINES"]
