@@ -75,6 +75,12 @@ class PipelineRunner:
         returns the host seconds this rank spent in stage forwards."""
         if not temperature > 0:
             raise ValueError(f"`temperature` must be > 0, got {temperature}")
+        if self.model.parallel.pp_schedule == "1F1B" and len(microbatches) < self.model.num_stages:
+            raise ValueError(
+                f"{len(microbatches)} microbatches on this replica but the 1F1B schedule needs at least "
+                f"`parallel.pp` = {self.model.num_stages}: plan more microbatches (smaller planner capacity) or set "
+                "`parallel.pp_schedule` = 'Interleaved1F1B'"
+            )
         rows = max(mb.batch.num_compact for mb in microbatches)
         n = len(microbatches)
         schedule = self._schedule(rows, n, entropy, sink)
@@ -123,12 +129,6 @@ class PipelineRunner:
         `backward_seconds`: the rest of the schedule (backward, recomputation, waiting for neighbouring stages)."""
         model = self.model
         check_microbatches(microbatches, self.dp_group, model.device)
-        if model.parallel.pp_schedule == "1F1B" and len(microbatches) < model.num_stages:
-            raise ValueError(
-                f"{len(microbatches)} microbatches on this replica but the 1F1B schedule needs at least "
-                f"`parallel.pp` = {model.num_stages}: plan more microbatches (smaller planner capacity) or set "
-                "`parallel.pp_schedule` = 'Interleaved1F1B'"
-            )
         results: list[tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]] = []
         loss_seconds = [0.0]
 

@@ -28,6 +28,20 @@ if torch.cuda.is_available():
 transformers_cpu()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `pipeline` skip, with the reason, where the installed torch cannot run pipeline parallelism."""
+    # Imported here, after transformers_cpu() ran: parallel.config imports the model packages.
+    from parallel.config import pipeline_support
+
+    if pipeline_support() is None:
+        return
+    skip = pytest.mark.skip(reason=f"torch {torch.__version__} runs no pipeline parallelism (needs >= 2.14); ./run.sh "
+                                   "test runs these tests in .venv-pipeline (./run.sh test-pipeline)")
+    for item in items:
+        if item.get_closest_marker("pipeline") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=["flash", "fa4"])
 def cuda_attention_pair(request):
     """Each CUDA attention kernel pair in turn (`models.ops.varlen_attention.use_cuda_attention`), in use during the

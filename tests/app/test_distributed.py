@@ -118,8 +118,7 @@ def test_four_ranks_fsdp_x_tp_with_ppo_kl_and_temperature_equal_one_process(tmp_
     assert kl[2] == 0.0 and kl[3] > 0.0  # RL starts at the reference
 
 
-@pytest.mark.skipif(pipeline_support() is not None, reason=f"pipeline parallelism needs torch >= 2.14 (installed: "
-                    f"{torch.__version__}); run under a torch 2.14 environment")
+@pytest.mark.pipeline
 def test_two_pipeline_stages_with_ppo_kl_and_a_resume_equal_one_process(tmp_path):
     """pp = 2 (Interleaved1F1B: an SFT step of the tiny job is one microbatch, fewer than 1F1B's pp): the policy
     and the KL reference as two stages per rank, old / reference log-probs at a temperature,

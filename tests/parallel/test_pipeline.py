@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.losses import PolicyLossConfig, policy_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from models.decoder import HybridForCausalLM
 from models.presets import preset
 from parallel.config import ParallelConfig, pipeline_support
@@ -19,12 +19,8 @@ from parallel.pipeline import pipeline_for_job, stage_layers
 from parallel.pipeline_runner import PipelineRunner
 from parallel.plain_runner import PlainRunner
 from parallel.replica import prepare_replica
-from planner.microbatch import plan_microbatches
+from planner.microbatch.plan import plan_microbatches
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
-
-needs_pp = pytest.mark.skipif(
-    pipeline_support() is not None, reason=f"pipeline parallelism needs torch >= 2.14 (installed: {torch.__version__})"
-)
 
 
 def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int, dtype: str) -> None:
@@ -94,21 +90,24 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
         print(f"{preset_name} {dtype} {parallel}: loss rel err {loss_err:.1e}, worst gradient at {worst:.1e} of its "
               f"tolerance, rows per microbatch {sorted(rows)}")
     if parallel.get("pp_schedule", "1F1B") == "1F1B":
+        too_few = PipelineRunner(pipelined)
         with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
-            PipelineRunner(pipelined).train_step(mbs[:1], loss_fn)
+            too_few.train_step(mbs[:1], loss_fn)
+        with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
+            too_few.score(mbs[:1])
 
 
-@needs_pp
+@pytest.mark.pipeline
 def test_pp2_kimi_linear_1f1b_float64():
     run_ranks(2, compare_pipeline, "tiny-kimi-linear", {"pp": 2}, 192, 1, "float64")
 
 
-@needs_pp
+@pytest.mark.pipeline
 def test_pp2_interleaved_qwen3_next_float32():
     run_ranks(2, compare_pipeline, "tiny-qwen3-next", {"pp": 2, "pp_schedule": "Interleaved1F1B"}, 192, 1, "float32")
 
 
-@needs_pp
+@pytest.mark.pipeline
 def test_pp2_x_fsdp2_qwen3_next_float64():
     run_ranks(4, compare_pipeline, "tiny-qwen3-next", {"pp": 2, "dp_shard": 2}, 192, 2, "float64")
 
@@ -118,7 +117,7 @@ def test_stage_layers_follow_torchtitan_split():
     assert stage_layers(4, 4) == [range(0, 1), range(1, 3), range(3, 4), range(4, 4)]
 
 
-@needs_pp
+@pytest.mark.pipeline
 @pytest.mark.parametrize(
     "degrees, model, error, match",
     [
