@@ -17,7 +17,8 @@ import os
 import sys
 from typing import NoReturn
 
-from app.config import PLAN_JOB_READS, ConfigError, JobConfig
+from app.config import PLAN_JOB_READS, JobConfig
+from app.errors import ConfigError, JobError
 from app.config_loader import load_config, to_toml
 from app.launch import launch_size, torchrun_command, under_torchrun
 from planner.jsonl import TrajectoryFileError
@@ -86,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         from app.rl_job import run_rl
 
         return run_rl(config)
-    except (ConfigError, TrajectoryFileError) as e:
+    except (JobError, TrajectoryFileError) as e:
         # Under torchrun every rank reads the same config: rank 0 reports it.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code if isinstance(e, JobError) else ConfigError.exit_code
 
 
 def exit_rank(code: int) -> NoReturn:

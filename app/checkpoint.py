@@ -43,7 +43,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from app.config_loader import ConfigError
+from app.errors import CheckpointError, CheckpointWriteError, NonFiniteError
 from app.folder_swap import fsync_dir, replace_folder, restore_aside
 from parallel.checkpoint import (
     CheckpointMismatchError,
@@ -56,8 +56,8 @@ from parallel.checkpoint import (
 )
 from parallel.ranks import all_values, first_found, rank_and_size, share
 
-__all__ = ["Checkpointer", "Restored", "CheckpointError", "CheckpointWriteError", "NonFiniteError", "check_finite",
-           "first_non_finite", "failure_line", "rng_state", "set_rng_state", "FORMAT", "PREVIOUS_RUN"]
+__all__ = ["Checkpointer", "Restored", "check_finite", "first_non_finite", "failure_line", "rng_state", "set_rng_state",
+           "FORMAT", "PREVIOUS_RUN"]
 
 FORMAT = "arbor-checkpoint-1"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -66,18 +66,6 @@ _OWN_FOLDER = re.compile(r"^step-\d+(\.old)?(\.tmp)?$")
 _OWN_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|job\.json|state\.pt)$")
 #: Where a fresh run keeps the checkpoints it found until it has written one of its own.
 PREVIOUS_RUN = "previous-run"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used; the message names the folder and what to do."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed; its unfinished folder was removed and the older checkpoints are kept."""
-
-
-class NonFiniteError(ConfigError):
-    """Weights with NaN or inf values, refused by a checkpoint or an export."""
 
 
 def failure_line(e: BaseException) -> str:

@@ -16,7 +16,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from app.config_loader import PATH, ConfigError
+from app.config_loader import PATH
+from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.objectives import PolicyLossConfig
 from parallel.config import ParallelConfig
@@ -130,9 +131,6 @@ class RolloutSection(RolloutConfig):
 class PlannerConfig:
     capacity: int = 65536
     """Microbatch capacity T: unique compact tokens per microbatch (HARTS §3.2)."""
-    chunk_size: int | None = None
-    """Linear-attention chunk size B the call planner aligns replay to (HARTS §3.3); unset = the model's. A value
-    that differs from the model's is an error."""
     mode: Literal["duplicate", "carry", "auto"] = "auto"
     """How a tree larger than a microbatch is planned (planner/step_plan.py): "duplicate" (HARTS: whole trajectories
     per microbatch, shared prefixes executed again in each), "carry" (trees cut into parts of at most `capacity`
@@ -158,8 +156,6 @@ class PlannerConfig:
             raise ConfigError(f"`planner.capacity` must be >= 1, got {self.capacity}")
         if self.carry_resident < 0:
             raise ConfigError(f"`planner.carry_resident` must be >= 0, got {self.carry_resident}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ConfigError(f"`planner.chunk_size` must be >= 1, got {self.chunk_size}")
 
 
 @dataclass(kw_only=True)

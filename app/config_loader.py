@@ -29,7 +29,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "PATH", "UNSET", "load_config", "parse_overrides", "to_dict", "to_toml"]
+from app.errors import ConfigError
+
+__all__ = ["PATH", "UNSET", "load_config", "parse_overrides", "to_dict", "to_toml"]
 
 #: Field metadata of a path setting (see the module docstring for what it is relative to).
 PATH = {"path": True}
@@ -37,10 +39,6 @@ PATH = {"path": True}
 UNSET = "none"
 #: What a byte-order mark decodes to; TOML does not allow one, so a file's leading one is dropped before parsing.
 BYTE_ORDER_MARK = "\ufeff"
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key or file and how to fix it."""
 
 
 def _did_you_mean(key: str, choices) -> str:

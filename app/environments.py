@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from rollout.chat_template import ChatTemplate, ChatTemplateError
 from rollout.envs import AnswerEnv, CalculatorEnv, ChatCalculatorEnv, ChatEnvironment, Environment
 from rollout.rendered_env import RenderedEnvironment

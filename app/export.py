@@ -17,16 +17,12 @@ import shutil
 from pathlib import Path
 
 from app.checkpoint import failure_line
-from app.config_loader import ConfigError
+from app.errors import ExportError
 from app.folder_swap import fsync_tree, replace_folder, restore_aside
 from models.decoder import HybridForCausalLM
 from models.hf_io import save_hf
 
-__all__ = ["ExportError", "export_policy"]
-
-
-class ExportError(ConfigError):
-    """Writing the export failed; the previous export (if any) is whole."""
+__all__ = ["export_policy"]
 
 
 def _stale(name: str) -> bool:

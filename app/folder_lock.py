@@ -20,7 +20,7 @@ import time
 import weakref
 from pathlib import Path
 
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 
 __all__ = ["FolderLock", "LOCK_FILE"]
 

@@ -4,7 +4,7 @@ rollout trees) and app.offline_job.OfflineJob (recorded trees) build on it.
 A job subclasses `Job` and gives:
 
     Progress                        the dataclass of completed steps a checkpoint records (a `step` property: their sum)
-    bad_record                      what the error line calls a DataError's record ("bad task record")
+    record_kind                     what the job's records are called in error lines ("task record")
     make_environment(tokenizer)     its environment bound to the policy's tokenizer, or None
     make_feed(model, environment)   (main rank) its record feed (app.data), or None
     phases(bars)                    its steps from `self.done` on, each ending with `_end_step`
@@ -35,10 +35,10 @@ from typing import Any, ClassVar
 import torch
 from rich.console import Console
 
-from app.checkpoint import CheckpointWriteError, NonFiniteError, check_finite, rng_state, set_rng_state
+from app.checkpoint import check_finite, rng_state, set_rng_state
 from app.config import JobConfig
-from app.config_loader import ConfigError
-from app.data import DataError, DataExhausted, RecordFeed
+from app.data import DataExhausted, RecordFeed
+from app.errors import CheckpointWriteError, ConfigError, JobError, TooManySkipped
 from app.export import export_policy
 from app.first_step import FirstStepWatch
 from app.launch import check_multi_rank, launch_size, under_torchrun
@@ -63,17 +63,12 @@ from planner.carry.plan import CarryPlan
 from planner.microbatch.plan import MicrobatchPlan
 from planner.step_plan import plan_step
 from planner.trajectory import Trajectory
-from rollout import EngineError, EnvironmentOutputError
 
-__all__ = ["Job", "SharedBatch", "Update", "StopRequested", "TooManySkipped"]
+__all__ = ["Job", "SharedBatch", "Update", "StopRequested"]
 
 
 class StopRequested(Exception):
     """A stop signal arrived; the job stops after the step it was in."""
-
-
-class TooManySkipped(Exception):
-    """`train.max_skipped_steps` optimizer steps in a row were skipped."""
 
 
 @dataclass
@@ -162,7 +157,7 @@ class Job:
     #: The completed steps of each phase, as a checkpoint records them.
     Progress: ClassVar[type]
     #: What the error line calls a DataError's record.
-    bad_record: ClassVar[str] = "bad record"
+    record_kind: ClassVar[str] = "record"
 
     def __init__(self, config: JobConfig, console: Console) -> None:
         """Build the run in this order: policy and tokenizer, environment (`make_environment`), trainer (checkpoint
@@ -177,11 +172,6 @@ class Job:
         model, self.tokenizer = build_policy(c.model, c.train.seed)
         attention_kernels = _use_attention_kernels(c, model.config)
         self.environment = self.make_environment(self.tokenizer)
-        if c.planner.chunk_size is not None and c.planner.chunk_size != model.config.chunk_size:
-            raise ConfigError(
-                f"`planner.chunk_size` = {c.planner.chunk_size} differs from the model's linear-attention chunk size "
-                f"{model.config.chunk_size}: leave it unset"
-            )
         self.trainer = _build_trainer(c, model)
         self.trainer.own(c.checkpoint.export_dir, "checkpoint.export_dir")
         self.trainer.own(c.metrics.log_dir, "metrics.log_dir")
@@ -400,20 +390,10 @@ class Job:
             return self.stop.exit_code
         except StepAbandoned as e:
             return self._failed(128 + e.signum, f"{e} (step {self.done.step + 1})")
-        except TooManySkipped as e:
-            return self._failed(4, f"at step {self.done.step}: {e}")
         except CheckpointWriteError as e:
             return self._checkpoint_failed(e)
-        except (EngineError, EnvironmentOutputError, DataError) as e:
-            what = "rollout engine failed" if isinstance(e, EngineError) else \
-                self.bad_record if isinstance(e, DataError) else "invalid environment output"
-            notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
-            return self._failed(3 if isinstance(e, EngineError) else 2,
-                                f"{what} at step {self.done.step + 1}: {e}{notes}")
-        except NonFiniteError:
-            raise  # the weights diverged: nothing to save, the message says which checkpoints are kept
-        except ConfigError as e:
-            return self._failed(2, f"at step {self.done.step + 1}: {e}")
+        except JobError as e:
+            return self._job_failed(e)
         except Exception as e:  # a bug or a kernel / device failure inside a step: keep what was trained
             where = self._write_traceback()
             return self._failed(1, f"step {self.done.step + 1} failed: {type(e).__name__}: {e} (traceback in {where})")
@@ -430,6 +410,17 @@ class Job:
             self._print(f"error: {failure}")
         return 2 if failures else 0
 
+    def _job_failed(self, e: JobError) -> int:
+        """One `error:` line for a JobError during the phases (after a checkpoint of the last consistent state,
+        unless the error says not to take one); returns its exit code."""
+        step = self.done.step if e.after_step else self.done.step + 1
+        what = e.what.format(record=self.record_kind)
+        message = str(e) if e.names_step else f"{what} at step {step}: {e}" if what else f"at step {step}: {e}"
+        if e.checkpoint:
+            return self._failed(e.exit_code, message)
+        self._print(f"error: {message}")
+        return e.exit_code
+
     def _checkpoint_failed(self, e: CheckpointWriteError) -> int:
         """A checkpoint during the phases could not be written: say so, export what was trained, exit 2."""
         self._print(f"error: the checkpoint of step {self.done.step} failed: {e}")
@@ -442,7 +433,7 @@ class Job:
         """Run `action`; the reason it failed, naming `what`, or None."""
         try:
             action()
-        except (ConfigError, OSError) as e:
+        except (JobError, OSError) as e:
             return f"{what} failed: {e}"
         return None
 

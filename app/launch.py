@@ -17,7 +17,7 @@ import sys
 import torch
 
 from app.config import JobConfig
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from parallel.config import pipeline_support
 
 __all__ = ["launch_size", "check_multi_rank", "torchrun_command", "under_torchrun"]

@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 
 from app.config import JobConfig
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from app.data import RecordFeed, build_trajectory_feed, path_limits
 from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
 from app.losses import sft_loss
@@ -75,7 +75,7 @@ class OfflineJob(Job):
     """Steps of recorded trees: no environment, no engine."""
 
     Progress = OfflineProgress
-    bad_record = "bad trajectory record"
+    record_kind = "trajectory record"
 
     def make_environment(self, tokenizer) -> None:
         return None

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import JobConfig
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from planner.jsonl import read_jsonl
 from planner.microbatch.plan import check_inputs, plan_microbatches
 from planner.pack import pack

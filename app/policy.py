@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.config import ModelSection
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
 from models.hf_io import HFCheckpointError, check_hf, load_hf

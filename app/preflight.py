@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from app.config import JobConfig
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from app.data import build_task_feed
 from app.environments import bind_tokenizer, make_environment
 from app.launch import under_torchrun

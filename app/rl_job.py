@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from app.config import JobConfig
 from app.data import TaskFeed, build_task_feed
 from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
+from app.errors import EngineFailure, InvalidEnvironmentOutput
 from app.job import Job, SharedBatch
 from app.metrics import plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars, train_scalars
 from app.losses import sft_loss
@@ -43,10 +46,26 @@ from app.tree_picture import render_tree
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
 from models.hf_io import checkpoint_tensors
-from rollout import build_trees, demonstration_tree
+from rollout import EngineError, EnvironmentOutputError, build_trees, demonstration_tree
 from rollout.tree import RolloutTree
 
 __all__ = ["RLJob", "run_rl"]
+
+
+@contextmanager
+def rollout_failures() -> Iterator[None]:
+    """Inside: the rollout layer's errors become the job's, their notes kept (rollout.EngineError -> EngineFailure,
+    rollout.EnvironmentOutputError -> InvalidEnvironmentOutput)."""
+    try:
+        yield
+    except EngineError as e:
+        raise EngineFailure(_with_notes(e)) from e
+    except EnvironmentOutputError as e:
+        raise InvalidEnvironmentOutput(_with_notes(e)) from e
+
+
+def _with_notes(e: Exception) -> str:
+    return str(e) + "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
 
 
 @dataclass
@@ -68,7 +87,7 @@ class RLJob(Job):
     """The RL job: the SFT warm-up on the environment's demonstrations, then RL steps on rollout trees."""
 
     Progress = Completed
-    bad_record = "bad task record"
+    record_kind = "task record"
 
     def __init__(self, config: JobConfig, console: Console) -> None:
         super().__init__(config, console)
@@ -98,7 +117,9 @@ class RLJob(Job):
         """(main rank) SFT step `s`: demonstration trees of the step's tasks, planned."""
         c = self.config
         tasks = self._tasks(c.train.sft_tasks_per_step, f"{c.train.seed}/sft/{s}")
-        trees = [demonstration_tree(self.environment, t, self.tokenizer, f"sft{s}-{i}") for i, t in enumerate(tasks)]
+        with rollout_failures():
+            trees = [demonstration_tree(self.environment, t, self.tokenizer, f"sft{s}-{i}")
+                     for i, t in enumerate(tasks)]
         return self._planned([t for tree in trees for t in tree.trajectories()])
 
     def sft(self, bars: JobProgress) -> None:
@@ -126,7 +147,8 @@ class RLJob(Job):
     def _start_engine(self, policy: HybridForCausalLM | None) -> float:
         """(main rank) Start the rollout engine from the current policy; returns the seconds it took."""
         start = time.perf_counter()
-        self.engine = build_engine(self.config.rollout, policy, self.tokenizer)
+        with rollout_failures():
+            self.engine = build_engine(self.config.rollout, policy, self.tokenizer)
         return time.perf_counter() - start
 
     def rl(self, bars: JobProgress) -> None:
@@ -162,9 +184,10 @@ class RLJob(Job):
         tasks = self._tasks(c.rollout.tasks_per_step, f"{c.train.seed}/rl/{step}")
         rollout_bar = bars.transient("rollout", None)
         try:
-            self.trees = build_trees(CountingEngine(self.engine, bars, rollout_bar), self.environment, tasks,
-                                     c.rollout.branching(), self.tokenizer,
-                                     tree_ids=[f"{step}-{i}" for i in range(len(tasks))])
+            with rollout_failures():
+                self.trees = build_trees(CountingEngine(self.engine, bars, rollout_bar), self.environment, tasks,
+                                         c.rollout.branching(), self.tokenizer,
+                                         tree_ids=[f"{step}-{i}" for i in range(len(tasks))])
         finally:
             bars.remove(rollout_bar)
         trajectories = [t for tree in self.trees for t in tree.trajectories()]
@@ -186,7 +209,8 @@ class RLJob(Job):
         if updated:
             policy = t.policy()
             if self.main:
-                self.engine.update_weights(checkpoint_tensors(policy))
+                with rollout_failures():
+                    self.engine.update_weights(checkpoint_tensors(policy))
         t3 = time.perf_counter()
         values = {**shared.scalars, **plan_scalars(first.step, shared.planner_seconds), "train/lr": first.lr,
                   "train/skipped": float(first.skipped)}

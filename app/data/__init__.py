@@ -3,11 +3,11 @@ files (RecordStream), step-sized batches of it (RecordFeed), the RL job's task f
 job's trajectory feed."""
 
 from app.data.config import DataConfig
-from app.data.errors import DataError, DataExhausted
+from app.data.errors import DataExhausted
 from app.data.feed import RecordFeed
 from app.data.stream import RecordStream
 from app.data.tasks import TaskFeed, build_task_feed
 from app.data.trajectories import PathLimit, build_trajectory_feed, path_limits
 
-__all__ = ["DataConfig", "DataError", "DataExhausted", "PathLimit", "RecordFeed", "RecordStream", "TaskFeed",
+__all__ = ["DataConfig", "DataExhausted", "PathLimit", "RecordFeed", "RecordStream", "TaskFeed",
            "build_task_feed", "build_trajectory_feed", "path_limits"]

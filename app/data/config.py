@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from app.config_loader import PATH, ConfigError
+from app.config_loader import PATH
+from app.errors import ConfigError
 from app.data.files import SUFFIXES
 
 __all__ = ["DataConfig"]

@@ -1,14 +1,9 @@
-"""How the data pipeline stops: a bad input (`DataError`) or the end of its last epoch (`DataExhausted`)."""
+"""How the data pipeline stops: a bad input (app.errors.DataError, naming the file, the line or row and the field)
+or the end of its last epoch (`DataExhausted`)."""
 
 from __future__ import annotations
 
-from app.config_loader import ConfigError
-
-__all__ = ["DataError", "DataExhausted"]
-
-
-class DataError(ConfigError):
-    """A task file or record that cannot be used; the message names the file, the line (or row) and the field."""
+__all__ = ["DataExhausted"]
 
 
 class DataExhausted(Exception):

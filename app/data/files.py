@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from app.data.errors import DataError
+from app.errors import DataError
 from rollout.envs.records import RecordError
 
 __all__ = ["RecordFile", "JsonlFile", "ParquetFile", "open_record_files", "SUFFIXES", "UNREADABLE"]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from app.data.errors import DataError
+from app.errors import DataError
 from app.data.files import UNREADABLE, RecordFile
 from rollout.envs.records import RecordError
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Generic, Literal, Sequence, TypeVar
 
 from torchdata.nodes import Prefetcher
 
-from app.data.errors import DataError
+from app.errors import DataError
 from app.data.files import open_record_files
 from app.data.source import RecordSource
 

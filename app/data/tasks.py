@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
 from rollout.envs import ChatEnvironment, Environment

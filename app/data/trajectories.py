@@ -25,7 +25,7 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
 from app.objectives import PolicyLossConfig

@@ -20,17 +20,9 @@ import app.checkpoint
 import app.job
 import app.rl_job
 from app.__main__ import main
-from app.checkpoint import (
-    PREVIOUS_RUN,
-    Checkpointer,
-    CheckpointError,
-    CheckpointWriteError,
-    NonFiniteError,
-    check_finite,
-    rng_state,
-    set_rng_state,
-)
+from app.checkpoint import PREVIOUS_RUN, Checkpointer, check_finite, rng_state, set_rng_state
 from app.environments import make_environment
+from app.errors import CheckpointError, CheckpointWriteError, NonFiniteError
 from app.tree_picture import BOX_H, GAP_Y, render_tree
 from parallel.checkpoint import TrainingState
 from rollout import build_char_tokenizer, demonstration_tree
@@ -167,7 +159,8 @@ def test_a_write_over_the_file_size_limit_removes_its_folder(tmp_path):
 
     script = textwrap.dedent(f"""
         import resource, sys
-        from app.checkpoint import Checkpointer, CheckpointWriteError
+        from app.checkpoint import Checkpointer
+        from app.errors import CheckpointWriteError
         from tests.app.test_checkpoint import trained
         import torch
         from torch import nn
@@ -382,7 +375,7 @@ def test_job_stops_with_one_error_line_instead_of_checkpointing_non_finite_weigh
     monkeypatch.setattr(app.job, "build_policy", diverged)
     assert main([str(write_job(tmp_path))]) == 2
     captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
+    assert [line for line in captured.out.splitlines() if line.startswith("error:")] == [
         f"error: checkpoint of step 1 refused: model/lm_head.weight has non-finite values (NaN or inf); "
         f"{tmp_path / 'ck'} keeps the earlier checkpoints (resume from one with a smaller `train.lr` / "
         "`train.sft_lr`)"]

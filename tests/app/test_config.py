@@ -3,7 +3,8 @@ import re
 import pytest
 
 from app.__main__ import main
-from app.config import ConfigError, JobConfig
+from app.config import JobConfig
+from app.errors import ConfigError
 from app.config_loader import load_config, parse_overrides, to_toml
 
 
@@ -16,7 +17,7 @@ def write(tmp_path, text):
 def test_defaults_and_file_values(tmp_path):
     config = load_config(JobConfig, write(tmp_path, "[planner]\ncapacity = 4096\n[parallel]\ndp_shard = 2\n"))
     assert config.planner.capacity == 4096 and config.parallel.dp_shard == 2
-    assert config.planner.chunk_size is None and config.job.kind == "rl"
+    assert config.job.kind == "rl"
 
 
 def test_overrides_win_and_parse_toml_values(tmp_path):
@@ -36,7 +37,7 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[model]\ndtype = 'fp8'\n", [], r"`model.dtype` must be one of"),
         ("[planner]\ncapacity = 0\n", [], r"`planner.capacity` must be >= 1"),
         ("", ["--planner.carry_resident=-1"], r"`planner.carry_resident` must be >= 0"),
-        ("", ["--planner.chunk_size=x"], r"`planner.chunk_size` must be an integer"),
+        ("", ["--planner.capacity=x"], r"`planner.capacity` must be an integer"),
         ("", ["--planner.cost.tree_per_view_row=-1e-6"], r"`planner.cost.tree_per_view_row` must be >= 0 seconds"),
         ("[planner.cost]\nexpansion_per_tokn = 1e-5\n", [],
          r"unknown key `planner.cost.expansion_per_tokn` \(did you mean 'expansion_per_token'\?\)"),
@@ -110,7 +111,6 @@ def test_to_toml_shows_unset_values_as_none(tmp_path):
         (["--rollout.env_options={size = 3}"], r"`rollout.env_options` \{'size': 3\} for environment 'calculator'"),
         (["--model.preset=tiny"], r"`model.preset` must be one of"),
         (["--model.vocab_size=50"], r"`model.vocab_size`: `vocab_size` must be at least 106"),
-        (["--planner.chunk_size=32"], r"`planner.chunk_size` = 32 differs from the model's linear-attention chunk"),
         (["--data.tasks=nowhere/*.jsonl"], r"`data.tasks`: '.*/nowhere/\*.jsonl' matches no file"),
         (["--data.epochs=0"], r"`data.epochs` must be >= 1 or unset, got 0"),
         (["--parallel.activation_checkpointing=selective", "--parallel.selective.every=99"],

@@ -21,7 +21,8 @@ import pytest
 import app.rl_job
 from app.__main__ import main
 from app.config import JobConfig
-from app.config_loader import ConfigError, load_config
+from app.config_loader import load_config
+from app.errors import ConfigError
 from app.policy import architecture, build_tokenizer
 from app.preflight import (check_engine, check_episodes, check_outputs, check_trainer, check_vllm,
                            vllm_cpu_version)

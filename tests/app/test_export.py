@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import models.hf_io
-from app.export import ExportError, export_policy
+from app.errors import ExportError
+from app.export import export_policy
 from models.decoder import HybridForCausalLM
 from models.hf_io import load_hf
 from models.presets import tiny_qwen3_next
@@ -60,7 +61,7 @@ def test_a_failing_export_keeps_the_previous_one_byte_for_byte(tmp_path, monkeyp
     assert written, "the failure came from the writer"
     assert contents(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
-    with pytest.raises(ExportError, match=rf"failed \(.*\); removed it, no export was written$"):
+    with pytest.raises(ExportError, match=r"failed \(.*\); removed it, no export was written$"):
         export_policy(policy(128), build_char_tokenizer(), tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 

@@ -17,7 +17,7 @@ import pytest
 
 import app.folder_lock
 from app.__main__ import main
-from app.config_loader import ConfigError
+from app.errors import ConfigError
 from app.folder_lock import LOCK_FILE, FolderLock
 from tests.app.jobs import write_job
 

@@ -16,7 +16,8 @@ import torch
 from app.__main__ import WARNED_ENV, main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
-from app.config_loader import ConfigError, load_config
+from app.config_loader import load_config
+from app.errors import ConfigError
 from app.policy import build_policy
 from models.hf_io import load_hf
 from models.microbatch import prepare_microbatch

@@ -24,7 +24,8 @@ import app.job
 import app.rl_job
 from app.__main__ import main
 from app.checkpoint import Checkpointer
-from app.config import ConfigError, JobConfig
+from app.config import JobConfig
+from app.errors import ConfigError
 from app.config_loader import load_config
 from app.torch_engine import TorchEngine
 from models.hf_io import load_hf

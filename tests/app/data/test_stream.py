@@ -8,7 +8,8 @@ from itertools import islice
 
 import pytest
 
-from app.data import DataError, RecordStream
+from app.data import RecordStream
+from app.errors import DataError
 from rollout.envs.records import RecordError, required
 
 
