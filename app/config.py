@@ -81,8 +81,17 @@ class VLLMSection:
     """Skip torch.compile / CUDA graphs: faster startup, slower decoding (true on CPU)."""
     prefix_match_unit: int | None = None
     """Token granularity of prefix-cache hits for hybrid models (e.g. 16 on GPUs)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of `vllm.LLM`, e.g. `options = {additional_config = {gdn_prefill_backend =
+    "triton"}}` for Qwen3-Next on Hopper without flashinfer. Keys set by the fields above are refused."""
 
     def __post_init__(self) -> None:
+        from rollout.vllm_engine import OWN_LLM_ARGUMENTS
+
+        taken = sorted(set(self.options) & (OWN_LLM_ARGUMENTS | {"enable_sleep_mode"}))
+        if taken:
+            raise ConfigError(f"`rollout.vllm.options` may not set {', '.join(taken)}: the engine sets them itself "
+                              "(use the `rollout.vllm` or `rollout` keys of the same names where they exist)")
         for name in ("kv_cache_memory_bytes", "prefix_match_unit"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -41,7 +41,7 @@ def _vllm_engine(section: RolloutSection, model: HybridForCausalLM, tokenizer) -
                 model=folder, dtype=v.dtype, max_model_len=section.max_model_len,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, gpu_memory_utilization=v.gpu_memory_utilization,
                 load_format="dummy", seed=section.engine_seed, enforce_eager=v.enforce_eager,
-                prefix_match_unit=v.prefix_match_unit,
+                prefix_match_unit=v.prefix_match_unit, options=dict(v.options),
             )
         )
     engine.update_weights(checkpoint_tensors(model))

