@@ -62,7 +62,7 @@ def build_model(args) -> HybridForCausalLM:
     if args.hf:
         model = load_hf(args.hf, dtype=DTYPES[args.dtype])
     else:
-        config = preset(args.model)
+        config = preset(args.model, args.layers)
         if args.chunk_size and config.linear_attention is not None:
             config = dataclasses.replace(
                 config, linear_attention=dataclasses.replace(config.linear_attention, chunk_size=args.chunk_size)
@@ -379,6 +379,7 @@ def run(args) -> dict:
               file=sys.stderr)
     result = {
         "model": args.hf or args.model,
+        "layers": args.layers,
         "device": args.device,
         "dtype": args.dtype,
         "mode": args.mode,
@@ -466,6 +467,8 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default="tiny-qwen3-next", help="model preset (random init)")
     source.add_argument("--hf", help="local Hugging Face checkpoint directory")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the preset's first N layers (full widths and expert counts)")
     parser.add_argument("--trajectories", help="TRAJ.jsonl (default: generated nested-fork trees)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float64", choices=RUN_DTYPES)

@@ -538,6 +538,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ling-3-tiny")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the preset's first N layers (full widths and expert counts)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--scale", type=float, default=0.05, help="fraction of a full SWE-like step's paths")
@@ -587,11 +589,11 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device")
     if device.type == "cuda":
         open_kernel_cache(args)
-        use_kernel_choice(args, preset(args.model).attention_shapes)
+        use_kernel_choice(args, preset(args.model, args.layers).attention_shapes)
         for pair in CUDA_ATTENTION if args.compare_attention else ():
             use_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
     torch.manual_seed(args.seed)
-    config = dataclasses.replace(preset(args.model), dtype=args.dtype)
+    config = dataclasses.replace(preset(args.model, args.layers), dtype=args.dtype)
     with torch.device(device):
         model = HybridForCausalLM(config)
     V = config.vocab_size
@@ -621,7 +623,7 @@ def main(argv=None) -> int:
                          "run_index": index})
         costs.append(cost)
     header = {
-        "model": args.model, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
+        "model": args.model, "layers": args.layers, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
         "attention_kernels": ",".join(dict.fromkeys(v[2] for v in variants)) if cuda_attention_runs else "reference",
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,

@@ -42,6 +42,7 @@ from torch.autograd.profiler_util import EventList
 from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regions
 from bench.host_time import host_profile
 from bench.idle import profile_idle
+from bench.kernel_split import describe_split, kernel_split
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
 from bench.speed import (
@@ -100,6 +101,8 @@ def overhead_line(flat: KernelWork, tree: KernelWork, name: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ling-3-tiny")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the preset's first N layers (full widths and expert counts)")
     parser.add_argument("--seed", type=int, default=0, help="SWE-like step")
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--capacity", type=int, default=65536)
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     open_kernel_cache(args)
-    config = dataclasses.replace(preset(args.model), dtype="bfloat16")
+    config = dataclasses.replace(preset(args.model, args.layers), dtype="bfloat16")
     use_kernel_choice(args, config.attention_shapes)
     dev = torch.device("cuda")
     with torch.device(dev):
@@ -184,6 +187,7 @@ def main(argv=None) -> int:
               f"timed run - kernels {timed_s - kw.kernel_s:+.3f} s")
         print(f"{name} under the profiler (whose own host work slows the host): "
               + profile_idle(prof).describe())
+        print(f"{name}: " + describe_split(kernel_split(prof, timed_s)))
         regions = tree_regions(prof)
         if regions:
             print(f"{name}: tree execution's own regions (models.tree.regions), device s and calls: "

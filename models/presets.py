@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from models.config import (
@@ -155,8 +156,14 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """A fresh ModelConfig for a named preset."""
+def preset(name: str, layers: int | None = None) -> ModelConfig:
+    """A fresh ModelConfig for a named preset; with `layers`, only its first `layers` layers (mixers and FFNs as in
+    the full model, every width and expert count unchanged), so a production model's shapes fit one GPU."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]()
+    config = PRESETS[name]()
+    if layers is None:
+        return config
+    if not 1 <= layers <= config.num_layers:
+        raise ValueError(f"`layers` must lie in 1..{config.num_layers} for preset {name!r}, got {layers}")
+    return dataclasses.replace(config, layer_types=config.layer_types[:layers], ffn_types=config.ffn_types[:layers])

@@ -98,3 +98,13 @@ def test_vllm_reads_kimi_linear_config_json():
     assert vllm_config.mla_use_nope and vllm_config.is_moe
     assert (vllm_config.num_experts, vllm_config.num_experts_per_token, vllm_config.first_k_dense_replace) == (256, 8, 1)
     assert vllm_config.moe_router_activation_func == "sigmoid" and vllm_config.routed_scaling_factor == 2.446
+
+
+def test_first_layers_of_a_preset_keep_every_width():
+    full, cut = models.preset("kimi-linear-48b-a3b"), models.preset("kimi-linear-48b-a3b", layers=8)
+    assert cut.layer_types == full.layer_types[:8] and cut.ffn_types == full.ffn_types[:8]
+    assert cut.layer_types.count("full_attention") == 2 and cut.ffn_types.count("moe") == 7
+    assert (cut.hidden_size, cut.moe, cut.full_attention, cut.linear_attention) == (
+        full.hidden_size, full.moe, full.full_attention, full.linear_attention)
+    with pytest.raises(ValueError, match="`layers` must lie in 1..27"):
+        models.preset("kimi-linear-48b-a3b", layers=28)
