@@ -254,6 +254,12 @@ class VLLMEngine(Engine):
             raise EngineError(f"vLLM weight update {self.weight_version + 1} failed: {exc}") from exc
         self.weight_version += 1
 
+    def reseed(self, seed: int) -> None:
+        """Seed torch's default generators (CPU and every CUDA device): vLLM's sampler draws the noise of requests
+        without a seed from the default generator of its device (`topk_topp_sampler.random_sample`). The caller's
+        own use of those generators is reseeded too (the app forks them around a rollout)."""
+        torch.manual_seed(seed)
+
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes (needed after weights change by any path other than update_weights)."""
         self.llm.reset_prefix_cache()

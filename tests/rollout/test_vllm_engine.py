@@ -62,6 +62,9 @@ class Recording(Engine):
         self.served.extend(zip(requests, results))
         return results
 
+    def reseed(self, seed):
+        self.inner.reseed(seed)
+
     def update_weights(self, named_tensors):
         self.inner.update_weights(named_tensors)
 
