@@ -165,17 +165,23 @@ def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
     assert "RL step   2/2" in done.stdout and (tmp_path / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_the_vllm_engine(tmp_path):
-    """Rank 0's vLLM engine runs in its own process (rollout.vllm_process) outside the trainers' gloo group: two RL
-    steps finish, and the trainer's log-probs of the trees' tokens agree with vLLM's behaviour log-probs to bf16
-    rounding, so the trees hold the ids vLLM sampled (any other ids would be off by ~1 nat)."""
+    """Each rank runs its own vLLM engine in its process ("external_launcher" in the trainers' gloo world): two RL
+    steps finish with both engines rolling out, and the trainer's log-probs of the trees' tokens agree with vLLM's
+    behaviour log-probs to bf16 rounding after every sync, so every engine holds the trainer's weights and the trees
+    hold the ids vLLM sampled (any other ids, or stale weights, would be off by ~1 nat)."""
     pytest.importorskip("vllm")
     from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
 
     write_job(tmp_path, VLLM_JOB)
     out = launch(tmp_path, 2, "--parallel.dp_shard=2", "--train.sft_steps=1")
+    assert "rollout 2 engines 'vllm' ready" in out
     assert "RL step   2/2" in out and (tmp_path / "hf" / "model.safetensors").is_file()
     assert list(scalars(tmp_path, "rollout/reward_mean")) == [2, 3]
+    assert set(scalars(tmp_path, "rollout/engines").values()) == {2.0}
+    for engine in (0, 1):
+        assert min(scalars(tmp_path, f"rollout/tokens_per_s/engine_{engine}").values()) > 0, engine
     mismatch = scalars(tmp_path, "mismatch/abs_mean")
     print(f"|vLLM - trainer| log-prob mean per RL step: {mismatch}")
     assert 0 < max(mismatch.values()) < MEAN_ABS, mismatch

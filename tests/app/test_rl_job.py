@@ -27,7 +27,7 @@ from app.checkpoint import Checkpointer
 from app.config import JobConfig
 from app.errors import ConfigError
 from app.config_loader import load_config
-from app.torch_engine import TorchEngine
+from app.engines import build_engine
 from models.hf_io import load_hf
 from models.ops import kernel_cache
 from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
@@ -220,13 +220,16 @@ class FailingEngine(Engine):
             raise EngineError("engine process died")
         return self.inner.generate(requests)
 
+    def reseed(self, seed):
+        self.inner.reseed(seed)
+
     def update_weights(self, named_tensors):
         self.inner.update_weights(named_tensors)
 
 
 def test_engine_failure_stops_with_an_error_and_a_checkpoint(tmp_path, capsys, monkeypatch):
-    def failing(section, model, tokenizer):
-        return FailingEngine(TorchEngine(model, section.max_model_len), fail_at=3)
+    def failing(section, model, tokenizer, shard, device):
+        return FailingEngine(build_engine(section, model, tokenizer, shard, device), fail_at=3)
 
     monkeypatch.setattr(app.rl_job, "build_engine", failing)
     assert main([str(write_job(tmp_path))]) == 3
