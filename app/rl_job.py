@@ -236,7 +236,7 @@ class RLJob(Job):
         tokens = sum(n.tokens.size for tree in trees for n in tree.nodes if n.role == "assistant")
         return EngineRollout(trees if self.shard.leader else None, time.perf_counter() - start, tokens)
 
-    def _gathered(self, outcomes: list, start: float) -> SharedBatch:
+    def _gathered(self, step: int, tasks: int, outcomes: list, start: float) -> SharedBatch:
         """(main rank) The engines' trees in task order (the first failure in rank order raised), advantages, the
         plan."""
         c = self.config
@@ -245,6 +245,8 @@ class RLJob(Job):
                 raise value
         engines = [value for _, value in outcomes if value.trees is not None]
         self.trees = [tree for e in engines for tree in e.trees]
+        # Every task rolled out once, in task order: the engines' blocks tile the step's tasks.
+        assert [tree.tree_id for tree in self.trees] == [f"{step}-{i}" for i in range(tasks)]
         trajectories = [t for tree in self.trees for t in tree.trajectories()]
         if c.rl.objective == "grpo":
             assign_advantages(trajectories, c.rl.advantages, c.rl.scale_by_std)
@@ -262,7 +264,7 @@ class RLJob(Job):
         start = time.perf_counter()
         tasks = t.share(lambda: self._tasks(c.rollout.tasks_per_step, f"{c.train.seed}/rl/{step}"))
         outcomes = gather_outcomes(lambda: self._engine_rollout(step, tasks, bars))
-        shared = t.share(lambda: self._gathered(outcomes, start))
+        shared = t.share(lambda: self._gathered(step, len(tasks), outcomes, start))
         if self._sleep_level:
             with rollout_failures():
                 self.engine.sleep(self._sleep_level)

@@ -15,8 +15,10 @@ on the partition).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.__main__ import main
+from app.checkpoint import Checkpointer
 from models.hf_io import load_hf
 from parallel.config import pipeline_support
 from tests.app.jobs import write_job
@@ -185,3 +188,47 @@ def test_two_ranks_with_the_vllm_engine(tmp_path):
     mismatch = scalars(tmp_path, "mismatch/abs_mean")
     print(f"|vLLM - trainer| log-prob mean per RL step: {mismatch}")
     assert 0 < max(mismatch.values()) < MEAN_ABS, mismatch
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (torchrun starts its ranks in sessions of their own: a process-group kill misses
+    them)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [d for c in children for d in (*descendants(int(c)), int(c))]
+
+
+def test_kill_9_then_resume_on_two_engines_gives_the_same_trees_and_parameters(tmp_path):
+    """Two ranks, each rolling out half of every step's trees with its own torch engine, without per-request seeds
+    (each engine's generator restarts from (train.seed, engine_seed, step, engine)): a run killed with SIGKILL (the
+    launcher and both ranks) after its 4th checkpoint and resumed samples the same trees as an uninterrupted run
+    and ends with bitwise the same parameters."""
+    args = ["--parallel.dp_shard=2", "--rollout.seed=none"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    for folder in (whole, killed):
+        folder.mkdir()
+        write_job(folder)
+    launch(whole, 2, *args)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "app", str(killed / "job.toml"), *args], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = Checkpointer(killed / "ck")
+    deadline = time.monotonic() + 300
+    # 2 SFT + 2 RL steps checkpointed: killed during RL step 3.
+    while 4 not in checkpoints.steps():
+        assert process.poll() is None, "the run ended before it was killed"
+        assert time.monotonic() < deadline, "the run never reached its 4th checkpoint"
+        time.sleep(0.05)
+    for pid in [*descendants(process.pid), process.pid]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    assert max(checkpoints.steps()) < 6, "the run finished before it was killed"
+    out = launch(killed, 2, *args, "--resume")
+    assert "resumed from" in out and "RL step   4/4" in out
+    for tag in ("rollout/reward_mean", "rollout/tree_tokens", "rollout/flat_tokens", "train/semantic_tokens",
+                "train/loss"):
+        assert scalars(killed, tag) == scalars(whole, tag), tag
+    assert set(scalars(whole, "rollout/engines").values()) == {2.0}
+    a, b = Checkpointer(killed / "ck").load(), Checkpointer(whole / "ck").load()
+    assert a["progress"] == b["progress"] == {"sft_done": 2, "rl_done": 4}
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "parameters differ"
