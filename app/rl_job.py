@@ -178,15 +178,16 @@ class RLJob(Job):
         failure = first_found(failure)
         if failure is not None:
             raise failure
-        self._sync()
+        self._sync(asleep=False)
         return time.perf_counter() - start
 
-    def _sync(self) -> SyncStats:
-        """(every rank) Stream the trainer's weights into this rank's engine (app.weight_sync)."""
+    def _sync(self, asleep: bool) -> SyncStats:
+        """(every rank) Stream the trainer's weights into this rank's engine (app.weight_sync); `asleep`: the engine
+        sleeps (`rollout.vllm.sleep_level`) and wakes with the new weights."""
         r, t = self.config.rollout, self.trainer
         with rollout_failures():
-            return sync_weights(self.engine, t.model, t.model.config, r.weight_bucket_mb * 2**20,
-                                sleep_level=self._sleep_level, pp_group=t.pp_group, device=t.device)
+            return sync_weights(self.engine, t.model, t.model.config, r.weight_bucket_mb * 2**20, asleep=asleep,
+                                pp_group=t.pp_group, device=t.device)
 
     @property
     def _sleep_level(self) -> int:
@@ -278,11 +279,9 @@ class RLJob(Job):
         t2 = time.perf_counter()
         self.done.rl_done = step + 1
         sync = None
-        if updated:
-            sync = self._sync()
-        elif self._sleep_level:
-            with rollout_failures():
-                self.engine.wake_up()
+        # A sleeping engine syncs even after a skipped update: level 2 dropped its weights.
+        if updated or self._sleep_level:
+            sync = self._sync(asleep=self._sleep_level > 0)
         t3 = time.perf_counter()
         values = {**shared.scalars, **plan_scalars(first.step, shared.planner_seconds), "train/lr": first.lr,
                   "train/skipped": float(first.skipped)}

@@ -1,10 +1,11 @@
 """The weight sync of every RL step: the trainer's policy streamed into this rank's engine in place.
 
-    wake the engine's weights (sleep level >= 1)          memory for the weights first, then nothing else
-    parallel.weight_stream.hf_buckets                     gathered on the device one parameter at a time, in buckets
-    engine.update_weights(pairs)                          the engine's own loader (vLLM: layerwise reload), prefix
-                                                          cache reset
-    wake the KV cache and scheduling (sleep level >= 1)   only once the weights are in
+    engine.update_weights(pairs(buckets))                 a sleeping vLLM engine wakes its weights first (and only
+                                                          them); then the engine's own loader (layerwise reload)
+                                                          pulls the buckets, and the prefix cache is reset
+    parallel.weight_stream.hf_buckets                     gathered on the device one parameter at a time, as the
+                                                          loader pulls them (after the wake)
+    wake the KV cache and scheduling (if asleep)          only once the weights are in
 
 The order of the wakes follows vLLM's colocation examples: waking the KV cache before the sync can run out of memory
 (vLLM issues 16663, 17117). Every rank runs the sync at the same time (the gathers are collectives); no rank holds
@@ -43,18 +44,16 @@ def _counted(buckets: Iterator[Bucket], stats: SyncStats) -> Iterator[Bucket]:
 
 
 def sync_weights(engine: Engine, model: nn.Module, config: ModelConfig, bucket_bytes: int, *,
-                 sleep_level: int = 0, pp_group=None, device: torch.device | None = None) -> SyncStats:
+                 asleep: bool = False, pp_group=None, device: torch.device | None = None) -> SyncStats:
     """Stream `model`'s weights (plain, FSDP2 / TP / EP shards, or pipeline stages with `pp_group`) into `engine` in
     buckets of at most `bucket_bytes`, in the trainer's dtype (the engine rounds to its own: some of vLLM's parameters
-    stay fp32, so rounding here could lose what they keep); with `sleep_level` >= 1 the engine sleeps now and is awake
+    stay fp32, so rounding here could lose what they keep). `asleep`: the engine sleeps at level 1 or 2 and is awake
     afterwards. Raises EngineError when the engine fails."""
     start = time.perf_counter()
     stats = SyncStats(0.0, 0)
-    if sleep_level:
-        engine.wake_up(["weights"])
     buckets = _counted(hf_buckets(model, config, bucket_bytes, pp_group=pp_group, device=device), stats)
     engine.update_weights(pairs(buckets))
-    if sleep_level:
+    if asleep:
         engine.wake_up(["kv_cache", "scheduling"])
     stats.seconds = time.perf_counter() - start
     return stats

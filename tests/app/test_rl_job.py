@@ -68,8 +68,15 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     for tag in ("rollout/reward_mean", "rollout/tree_tokens", "rollout/flat_tokens", "rollout/compression",
                 "train/loss", "train/kl", "train/entropy", "train/compression", "train/compact_tokens",
                 "train/semantic_tokens", "mismatch/abs_mean", "moe/max_load", "time/planner", "time/rollout",
-                "time/forward", "time/backward", "time/weight_sync", "sft/nll"):
+                "time/forward", "time/backward", "time/weight_sync", "sft/nll", "sync/gigabytes", "sync/gb_per_s",
+                "rollout/engine_seconds_max", "rollout/engine_seconds_spread", "rollout/tokens_per_s_engine_mean",
+                "rollout/tokens_per_s/engine_0"):
         assert tag in tags, tag
+    # One process, one engine: it is the slowest and the fastest; every sync hands over the whole fp32 policy.
+    assert {e.value for e in acc.Scalars("rollout/engine_seconds_spread")} == {0.0}
+    policy_gb = sum(p.numel() * 4 for p in load_hf(tmp_path / "hf").state_dict().values()) / 1e9
+    assert all(abs(e.value - policy_gb) < 1e-9 for e in acc.Scalars("sync/gigabytes"))
+    assert "RL step   4/4" in out and " tok/s/engine)  sync " in out and " GB/s)" in out
     rewards = [e.value for e in acc.Scalars("rollout/reward_mean")]
     assert [e.step for e in acc.Scalars("rollout/reward_mean")] == [3, 4, 5, 6]
     # Two turns, each earning 0 or 1: some trajectories earn something, not all earn everything.

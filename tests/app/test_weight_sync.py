@@ -68,3 +68,29 @@ def test_sync_from_fsdp_x_ep_shards_is_exact_and_bounded():
 def test_sync_from_fsdp_x_tp_shards_is_exact_and_bounded():
     """kimi-linear (per-expert w1/w3/w2, `block_sparse_moe.`, split q/k/v convs): FSDP2 2 x TP 2 on 4 ranks."""
     run_ranks(4, sync_into_engines, "tiny-kimi-linear", {"dp_shard": 2, "tp": 2})
+
+
+class Recording(TorchEngine):
+    """A torch engine that records the sync's calls (sleep and wake are vLLM's; CUDA only)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def update_weights(self, named_tensors) -> None:
+        self.calls.append(("update_weights",))
+        super().update_weights(named_tensors)
+
+    def wake_up(self, tags=None) -> None:
+        self.calls.append(("wake_up", tags))
+
+
+def test_a_sleeping_engine_wakes_its_kv_cache_only_after_the_weights_are_in():
+    config = small_config("tiny-qwen3-next")
+    model = HybridForCausalLM(config)
+    for asleep, calls in ((False, [("update_weights",)]),
+                          (True, [("update_weights",), ("wake_up", ["kv_cache", "scheduling"])])):
+        engine = Recording(HybridForCausalLM(config), max_model_len=64)
+        sync_weights(engine, model, config, 2**20, asleep=asleep)
+        assert engine.calls == calls
+        assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), model.state_dict().values()))
