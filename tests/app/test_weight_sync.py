@@ -19,7 +19,7 @@ from models.decoder import HybridForCausalLM
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from tests.parallel.harness import run_ranks, small_config
-from tests.parallel.live_bytes import LiveBytes
+from bench.live_bytes import LiveBytes
 
 #: The bucket as a fraction of the model's bytes: small enough that a full copy could not pass the bound.
 BUCKET_FRACTION = 8
