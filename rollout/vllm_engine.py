@@ -2,8 +2,9 @@
 
 In-process matters for weight reloads: `collective_rpc("reload_weights", ...)` then calls the driver worker directly,
 so the trainer's tensors (GPU tensors too) stream into vLLM without pickling. Two executors keep the engine in-process:
-"uni" (one process, one device) and "external_launcher" (under torchrun: every rank runs its own engine; all ranks
-must issue identical generate calls).
+"uni" (one process, one device) and "external_launcher" (under torchrun, after the trainer's process group exists:
+every group of `tensor_parallel_size` consecutive ranks runs its own engine; the ranks of a group must issue
+identical generate calls).
 
 Environment set for the engine: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core in this process). On CPU the KV cache
 size comes from `kv_cache_memory_bytes` (the same as `VLLM_CPU_KVCACHE_SPACE`, which is then not needed);
