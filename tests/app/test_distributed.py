@@ -99,6 +99,20 @@ def test_two_ranks_with_a_resume_equal_one_process(tmp_path):
     assert_same_run(got, want)
 
 
+def test_two_engines_under_fsdp_x_ep_equal_one_process(tmp_path):
+    """FSDP2 2 x EP 2: each rank's torch engine rolls out half of every step's trees from weights gathered out of
+    the FSDP2 and expert-parallel shards; the trees, losses and parameters are those of one process with one engine,
+    and every engine's behaviour log-probs agree with the trainer's (float64)."""
+    want = single_process(tmp_path, "one")
+    got = tmp_path / "ep"
+    got.mkdir()
+    write_job(got)
+    launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--parallel.ep=2")
+    assert_same_run(got, want)
+    assert set(scalars(got, "rollout/engines").values()) == {2.0}
+    assert max(scalars(got, "mismatch/abs_mean").values()) < TOL
+
+
 def test_a_run_moves_from_one_process_to_two_ranks_and_back(tmp_path):
     """One checkpoint format: SFT and RL step 1 in one process, RL step 2 on two ranks (FSDP2: the plain tensors
     resharded), RL step 3 in one process again (the shards gathered back) equal three RL steps in one process."""
