@@ -173,7 +173,7 @@ def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
     done = subprocess.run(
         [str(ROOT / "run.sh"), "configs/node-8gpu.toml", "--train.device=cpu", "--model.preset=tiny-kimi-linear",
          "--parallel.param_dtype=model", "--train.sft_steps=1", "--train.steps=2", "--rollout.tasks_per_step=4",
-         "--rollout.max_turns=2", "--rollout.max_new_tokens=8",
+         "--rollout.max_turns=2", "--rollout.max_new_tokens=8", "--rollout.engine=torch",
          f"--checkpoint.dir={tmp_path / 'ck'}", f"--checkpoint.export_dir={tmp_path / 'hf'}",
          f"--metrics.log_dir={tmp_path / 'tb'}", "--metrics.progress=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
