@@ -169,6 +169,9 @@ class RLJob(Job):
         failure to start is raised on every rank."""
         start = time.perf_counter()
         t = self.trainer
+        if t.device.type == "cuda":
+            # vLLM sizes itself from the free GPU memory: the blocks torch's allocator kept from SFT are not free.
+            torch.cuda.empty_cache()
         failure = None
         try:
             with rollout_failures():

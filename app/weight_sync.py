@@ -51,6 +51,9 @@ def sync_weights(engine: Engine, model: nn.Module, config: ModelConfig, bucket_b
     afterwards. Raises EngineError when the engine fails."""
     start = time.perf_counter()
     stats = SyncStats(0.0, 0)
+    if asleep and device is not None and device.type == "cuda":
+        # The trainer's freed blocks go back to the driver first: vLLM's weights wake into memory of their own.
+        torch.cuda.empty_cache()
     buckets = _counted(hf_buckets(model, config, bucket_bytes, pp_group=pp_group, device=device), stats)
     engine.update_weights(pairs(buckets))
     if asleep:
