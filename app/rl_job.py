@@ -33,9 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
-
 import torch
+from rich.console import Console
 
 from app.advantages import assign_advantages, assign_batch_baseline
 from app.checkpoint import set_rng_state

@@ -8,9 +8,11 @@
     wake the KV cache and scheduling (if asleep)          only once the weights are in
 
 The order of the wakes follows vLLM's colocation examples: waking the KV cache before the sync can run out of memory
-(vLLM issues 16663, 17117). Every rank runs the sync at the same time (the gathers are collectives); no rank holds
-more of the policy than a bucket and the parameter being gathered besides the engine's own weights, and nothing is
-written to a file.
+(vLLM issues 16663, 17117). Every rank runs the sync at the same time (the gathers are collectives), nothing is
+written to a file, and besides the engine's own weights a rank holds at most a bucket, the parameter being gathered
+and what the engine's loader keeps: the torch engine one parameter's parts and their merge (measured:
+tests/app/test_weight_sync.py); vLLM's layerwise reload buffers the tensors of one of its layers until the layer is
+complete (the parameters arrive in layer order, so about one layer, e.g. all experts of an MoE layer).
 """
 
 from __future__ import annotations
