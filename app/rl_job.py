@@ -1,18 +1,22 @@
 """The agentic RL job: optional SFT warm-up, then per step rollout -> advantages -> tree training -> weight sync.
 
     SFT step   demonstration trees (the environment's solutions) -> microbatch plan -> tree execution -> NLL -> AdamW
-    RL step    engine builds trees while decoding -> trajectories -> advantages (GRPO / batch baseline)
-               -> microbatch plan -> [reference / old log-probs] -> tree execution -> policy loss -> AdamW
-               -> update_weights (+ prefix-cache reset) on the engine
+    RL step    every engine builds its share of the trees while decoding -> trees gathered on the main rank
+               -> trajectories -> advantages (GRPO / batch baseline) -> microbatch plan -> [engine sleeps]
+               -> [reference / old log-probs] -> tree execution -> policy loss -> AdamW
+               -> weight sync into every engine (app.weight_sync: buckets from the shards, prefix-cache reset)
 
 The same loop runs in one process (app.trainer.LocalTrainer) and on every rank of a torchrun launch
-(app.distributed_trainer.DistributedTrainer): the main rank builds the trees (or demonstrations) and plans the
-step's microbatches for the job's D data-parallel replicas, every rank trains its replica's microbatches with
-its step runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank alone talks to the engine,
-logs and prints.
+(app.distributed_trainer.DistributedTrainer). Every rank (every group of `rollout.vllm.tensor_parallel_size` ranks
+for vLLM) runs an engine that rolls out a contiguous block of the step's tasks, whole trees each
+(app.rollout_shards); the main rank gathers the trees in task order, computes the advantages and plans the step's
+microbatches for the job's D data-parallel replicas, every rank trains its replica's microbatches with its step
+runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank logs and prints.
 
 Every step's task set comes from a generator seeded by (train.seed, phase, step), or from `[data] tasks` records
-(app.data, whose state is in every checkpoint), so a resumed run sees the same tasks. A non-finite loss or gradient
+(app.data, whose state is in every checkpoint), and each engine restarts its sampling from a seed of (train.seed,
+rollout.engine_seed, step, engine), so a resumed run sees the same tasks and, where the engine samples
+reproducibly (the torch engine; vLLM with `rollout.seed`), rebuilds the same trees. A non-finite loss or gradient
 norm skips the optimizer step (the batch is dropped, the engine keeps its weights). An engine failure, invalid
 environment output or bad task record saves a checkpoint of the trainer's last consistent state and stops with an
 error naming what failed; the end of the records' last epoch (`data.epochs`) ends the run cleanly. The machinery
@@ -29,23 +33,26 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from app.advantages import assign_advantages, assign_batch_baseline
 from app.checkpoint import set_rng_state
 from app.config import JobConfig
 from app.data import TaskFeed, build_task_feed
-from app.engines import build_engine
+from app.engines import build_engine, ranks_per_engine
 from app.environments import bind_tokenizer, make_environment
 from app.errors import EngineFailure, InvalidEnvironmentOutput
 from app.job import Job, SharedBatch
-from app.metrics import plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars, train_scalars
+from app.metrics import (engine_scalars, plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars,
+                         sync_scalars, train_scalars)
 from app.losses import sft_loss
 from app.progress import CountingEngine, JobProgress
+from app.rollout_shards import engine_shard, rollout_seed, task_range
 from app.tree_picture import render_tree
+from app.weight_sync import SyncStats, sync_weights
 from models.config import ModelConfig
-from models.decoder import HybridForCausalLM
-from models.hf_io import checkpoint_tensors
+from parallel.ranks import first_found, gather_outcomes, rank_and_size
 from rollout import EngineError, EnvironmentOutputError, build_trees, demonstration_tree
 from rollout.tree import RolloutTree
 
@@ -66,6 +73,15 @@ def rollout_failures() -> Iterator[None]:
 
 def _with_notes(e: Exception) -> str:
     return str(e) + "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
+
+
+@dataclass
+class EngineRollout:
+    """One engine's share of a step: its trees (None on the other ranks of its group), wall seconds, sampled tokens."""
+
+    trees: list[RolloutTree] | None
+    seconds: float
+    tokens: int
 
 
 @dataclass
@@ -93,6 +109,9 @@ class RLJob(Job):
         super().__init__(config, console)
         self.engine = None
         self.trees: list[RolloutTree] = []
+        self.shard = engine_shard(*rank_and_size(), ranks_per_engine(config.rollout))
+        device = self.trainer.device
+        self._rng_devices = [device] if device.type == "cuda" else []
 
     def make_environment(self, tokenizer) -> Any:
         """`rollout.env` bound to the policy's tokenizer."""
@@ -144,12 +163,37 @@ class RLJob(Job):
             self._end_step(bars, task, values, f"nll {values.get('sft/nll', float('nan')):.3f}",
                            sft_line(s + 1, c.train.sft_steps, values) if due else None, update.skipped)
 
-    def _start_engine(self, policy: HybridForCausalLM | None) -> float:
-        """(main rank) Start the rollout engine from the current policy; returns the seconds it took."""
+    def _start_engine(self) -> float:
+        """(every rank) Start this rank's engine and sync the policy into it; returns the seconds it took. A rank's
+        failure to start is raised on every rank."""
         start = time.perf_counter()
-        with rollout_failures():
-            self.engine = build_engine(self.config.rollout, policy, self.tokenizer)
+        t = self.trainer
+        if t.device.type == "cuda":
+            # vLLM sizes itself from the free GPU memory: the blocks torch's allocator kept from SFT are not free.
+            torch.cuda.empty_cache()
+        failure = None
+        try:
+            with rollout_failures():
+                self.engine = build_engine(self.config.rollout, t.model.config, self.tokenizer, self.shard, t.device)
+        except EngineFailure as e:
+            failure = e
+        failure = first_found(failure)
+        if failure is not None:
+            raise failure
+        self._sync(asleep=False)
         return time.perf_counter() - start
+
+    def _sync(self, asleep: bool) -> SyncStats:
+        """(every rank) Stream the trainer's weights into this rank's engine (app.weight_sync); `asleep`: the engine
+        sleeps (`rollout.vllm.sleep_level`) and wakes with the new weights."""
+        r, t = self.config.rollout, self.trainer
+        with rollout_failures():
+            return sync_weights(self.engine, t.model, t.model.config, r.weight_bucket_mb * 2**20, asleep=asleep,
+                                pp_group=t.pp_group, device=t.device)
+
+    @property
+    def _sleep_level(self) -> int:
+        return self.config.rollout.vllm.sleep_level if self.config.rollout.engine == "vllm" else 0
 
     def rl(self, bars: JobProgress) -> None:
         c = self.config
@@ -157,9 +201,9 @@ class RLJob(Job):
             return
         if c.rl.kl_coef > 0 and self.done.rl_done == 0:
             self.trainer.freeze_reference()
-        policy = self.trainer.policy()
-        seconds = self.trainer.share(lambda: self._start_engine(policy))
-        self.console.print(f"rollout engine {c.rollout.engine!r} ready in {seconds:.1f} s")
+        seconds = self._start_engine()
+        engines = f"{self.shard.count} engines" if self.shard.count > 1 else "engine"
+        self.console.print(f"rollout {engines} {c.rollout.engine!r} ready in {seconds:.1f} s")
         if self.resumed_rng is not None and self.done.rl_done > 0:
             # vLLM reseeds the global generators when it starts; continue from the checkpointed states instead.
             set_rng_state(self.resumed_rng)
@@ -177,49 +221,81 @@ class RLJob(Job):
         if summary is not None:
             bars.print(summary, soft_wrap=True)
 
-    def _rollout(self, step: int, bars: JobProgress) -> SharedBatch:
-        """(main rank) RL step `step`: the engine builds the trees, advantages, the plan."""
+    def _engine_rollout(self, step: int, tasks: list, bars: JobProgress) -> EngineRollout:
+        """(every rank) This engine's block of the step's tasks rolled out, its sampling restarted from the step's
+        seed (in a fork of torch's generators: the trainer's stream is left as it was)."""
         c = self.config
+        mine = task_range(len(tasks), self.shard.index, self.shard.count)
         start = time.perf_counter()
-        tasks = self._tasks(c.rollout.tasks_per_step, f"{c.train.seed}/rl/{step}")
         rollout_bar = bars.transient("rollout", None)
         try:
-            with rollout_failures():
-                self.trees = build_trees(CountingEngine(self.engine, bars, rollout_bar), self.environment, tasks,
-                                         c.rollout.branching(), self.tokenizer,
-                                         tree_ids=[f"{step}-{i}" for i in range(len(tasks))])
+            with rollout_failures(), torch.random.fork_rng(devices=self._rng_devices):
+                self.engine.reseed(rollout_seed(c.train.seed, c.rollout.engine_seed, step, self.shard.index))
+                trees = build_trees(CountingEngine(self.engine, bars, rollout_bar), self.environment,
+                                    [tasks[i] for i in mine], c.rollout.branching(), self.tokenizer,
+                                    tree_ids=[f"{step}-{i}" for i in mine])
         finally:
             bars.remove(rollout_bar)
+        tokens = sum(n.tokens.size for tree in trees for n in tree.nodes if n.role == "assistant")
+        return EngineRollout(trees if self.shard.leader else None, time.perf_counter() - start, tokens)
+
+    def _gathered(self, step: int, tasks: int, outcomes: list, start: float) -> SharedBatch:
+        """(main rank) The engines' trees in task order (the first failure in rank order raised), advantages, the
+        plan."""
+        c = self.config
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        engines = [value for _, value in outcomes if value.trees is not None]
+        self.trees = [tree for e in engines for tree in e.trees]
+        # Every task rolled out once, in task order: the engines' blocks tile the step's tasks.
+        assert [tree.tree_id for tree in self.trees] == [f"{step}-{i}" for i in range(tasks)]
         trajectories = [t for tree in self.trees for t in tree.trajectories()]
         if c.rl.objective == "grpo":
             assign_advantages(trajectories, c.rl.advantages, c.rl.scale_by_std)
         else:
             assign_batch_baseline(trajectories)
-        scalars = {**rollout_scalars(self.trees, trajectories), "time/rollout": time.perf_counter() - start}
+        scalars = {**rollout_scalars(self.trees, trajectories),
+                   **engine_scalars([e.seconds for e in engines], [e.tokens for e in engines]),
+                   "time/rollout": time.perf_counter() - start}
         return self._planned(trajectories, scalars)
 
+    def _rollout(self, step: int, bars: JobProgress) -> SharedBatch:
+        """(every rank) RL step `step`: the main rank's tasks, every engine's share of the trees, and on the main rank
+        the advantages and the plan, shared with every rank."""
+        c, t = self.config, self.trainer
+        start = time.perf_counter()
+        tasks = t.share(lambda: self._tasks(c.rollout.tasks_per_step, f"{c.train.seed}/rl/{step}"))
+        outcomes = gather_outcomes(lambda: self._engine_rollout(step, tasks, bars))
+        shared = t.share(lambda: self._gathered(step, len(tasks), outcomes, start))
+        if self._sleep_level:
+            with rollout_failures():
+                self.engine.sleep(self._sleep_level)
+        return shared
+
     def _rl_step(self, step: int, bars: JobProgress) -> dict[str, float]:
-        t = self.trainer
         t0 = time.perf_counter()
-        shared = t.share(lambda: self._rollout(step, bars))
+        shared = self._rollout(step, bars)
         t1 = time.perf_counter()
         first, updated = self._policy_updates(shared, step, f"RL step {step + 1}", bars)
         t2 = time.perf_counter()
         self.done.rl_done = step + 1
-        if updated:
-            policy = t.policy()
-            if self.main:
-                with rollout_failures():
-                    self.engine.update_weights(checkpoint_tensors(policy))
+        sync = None
+        # A sleeping engine syncs even after a skipped update: level 2 dropped its weights.
+        if updated or self._sleep_level:
+            sync = self._sync(asleep=self._sleep_level > 0)
         t3 = time.perf_counter()
         values = {**shared.scalars, **plan_scalars(first.step, shared.planner_seconds), "train/lr": first.lr,
                   "train/skipped": float(first.skipped)}
         if math.isfinite(first.step["loss"]):
             values.update(train_scalars(first.step, first.grad_norm, first.expert_counts))
+        if sync is not None:
+            values.update(sync_scalars(sync.nbytes, sync.seconds))
         values.update({"time/forward": first.metrics.forward_seconds, "time/backward": first.metrics.backward_seconds,
                        "time/optimizer": first.optimizer_seconds, "time/train": t2 - t1, "time/weight_sync": t3 - t2,
                        "time/step": t3 - t0})
         return values
+
 
 def run_rl(config: JobConfig, console: Console | None = None) -> int:
     """Run the RL job of `config` in this process (one of the ranks under torchrun); returns the exit code."""

@@ -4,7 +4,12 @@ No KV cache: every new token re-runs the flat packed forward over the whole pref
 decoding costs O(L^2) per sequence; meant for tests, debugging and machines without vLLM. In exchange it is exact
 (the trainer's dtype and code path, so trainer and behaviour log-probs agree to rounding) and reproducible: a request
 with a seed samples child i from a torch.Generator seeded with seed + i (as vLLM does), so rollouts with
-`RolloutConfig.seed` set are a function of the weights and the tree ids alone, across processes and resumes.
+`RolloutConfig.seed` set are a function of the weights and the tree ids alone, across processes and resumes;
+requests without a seed draw from the engine's own generator (`reseed`).
+
+Weight updates stream: each Hugging Face tensor is held only until the other parts of its parameter arrive (the
+experts' per-expert matrices of one `[E, 2F, D]` entry), then merged into the parameter, so an update holds at most
+one parameter's parts beside the engine's own model.
 """
 
 from __future__ import annotations
@@ -48,8 +53,19 @@ class TorchEngine(Engine):
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._max_model_len = max_model_len
-        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.reseed(seed)
         self.weight_version = 0
+        # On-disk name -> (our state-dict key, its part index), and each key's number of parts.
+        self._parts: dict[str, tuple[str, int]] = {}
+        self._counts: dict[str, int] = {}
+        for key, ref in self.model.state_dict().items():
+            names = key_rule(self.model.config, key, ref.shape).disk_keys
+            self._counts[key] = len(names)
+            self._parts.update((name, (key, i)) for i, name in enumerate(names))
+
+    def reseed(self, seed: int) -> None:
+        """Restart the generator of requests without a seed from `seed`."""
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
 
     @property
     def vocab_size(self) -> int:
@@ -109,14 +125,25 @@ class TorchEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face checkpoint-format tensors (models.hf_io.checkpoint_tensors) into the private model."""
-        disk = dict(named_tensors)
-        state = {}
-        for key, ref in self.model.state_dict().items():
-            rule = key_rule(self.model.config, key, ref.shape)
-            missing = [k for k in rule.disk_keys if k not in disk]
-            if missing:
-                raise EngineError(f"TorchEngine weight update {self.weight_version + 1}: no tensor {missing[0]!r}")
-            state[key] = rule.merge([disk[k] for k in rule.disk_keys]).to(ref.dtype)
-        self.model.load_state_dict(state)
+        """Load Hugging Face checkpoint-format tensors (models.hf_io.checkpoint_tensors' names) into the private model,
+        each parameter as soon as all its parts arrived. An unknown name, or a parameter left without all its parts,
+        raises EngineError (the parameters loaded before it keep their new values)."""
+        state = self.model.state_dict()
+        waiting: dict[str, dict[int, torch.Tensor]] = {}
+        done = set()
+        for name, tensor in named_tensors:
+            if name not in self._parts:
+                raise EngineError(f"TorchEngine weight update {self.weight_version + 1}: unknown tensor {name!r}")
+            key, i = self._parts[name]
+            parts = waiting.setdefault(key, {})
+            parts[i] = tensor
+            if len(parts) == self._counts[key]:
+                ref = state[key]
+                rule = key_rule(self.model.config, key, ref.shape)
+                ref.copy_(rule.merge([parts[j] for j in range(len(parts))]))
+                del waiting[key]
+                done.add(key)
+        missing = [name for name, (key, i) in self._parts.items() if key not in done and i not in waiting.get(key, {})]
+        if missing:
+            raise EngineError(f"TorchEngine weight update {self.weight_version + 1}: no tensor {missing[0]!r}")
         self.weight_version += 1

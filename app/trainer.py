@@ -3,7 +3,7 @@
 
     share(fn)            run fn on the main rank (rollout, planning) and hand its result (or its error) to every rank
     set_lr(lr)           learning rate of the next optimizer step
-    policy()             the full policy as a plain model on the main rank (rollout engine, HF export), else None
+    policy()             the full policy as a plain model on the main rank (the HF export), else None
     freeze_reference()   the KL reference becomes a frozen copy of the current policy
     own(folder, key)     lock an output folder for this run (app.folder_lock); `checkpoint.dir` is locked at start
     save(step, state)    checkpoint the trainer and the job's own `state` (JSON values); restore() returns that dict
@@ -11,8 +11,9 @@
                          folder, deleted once this run has a checkpoint of its own
     close()              release the folders
 
-and reads `model`, `optimizer`, `reference`, `device`, `dp`, `dp_rank`, `dp_group`, `is_main`, and `notes` (one-line
-reports to print: a stale lock taken over, unfinished checkpoint writes removed, incomplete checkpoints skipped).
+and reads `model`, `optimizer`, `reference`, `device`, `dp`, `dp_rank`, `dp_group`, `pp_group`, `is_main`, and
+`notes` (one-line reports to print: a stale lock taken over, unfinished checkpoint writes removed, incomplete
+checkpoints skipped).
 It runs the step's microbatches with `runner` (and `reference_runner` for the KL reference's log-probs), the step
 runner (`parallel.runner.StepRunner`) that the trainer's wrapping of the model needs.
 
@@ -69,6 +70,9 @@ class Trainer:
     dp: int
     dp_rank: int
     dp_group: Any
+    pp_group: Any = None
+    """The pipeline group when `model` holds this rank's pipeline stages (the weight sync gathers the others' from
+    it), else None."""
     is_main: bool
     checkpoints: Checkpointer
     notes: list[str]

@@ -3,19 +3,21 @@
     share(fn)           rank 0 runs fn; its result, or the exception it raised, comes back on every rank
     first_found(value)  the first non-None of every rank's `value`, in rank order, on every rank
     all_values(value)   every rank's `value`, in rank order, on every rank
+    gather_outcomes(fn) every rank runs fn; rank 0 gets each rank's (True, result) or (False, exception)
 
-Both are collectives: every rank must call them in the same order. Values travel pickled between the ranks'
+All are collectives: every rank must call them in the same order. Values travel pickled between the ranks'
 memories (never through a file).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["distributed", "is_main", "rank_and_size", "share", "first_found", "all_values"]
+__all__ = ["distributed", "is_main", "rank_and_size", "share", "first_found", "all_values", "gather_outcomes"]
 
 T = TypeVar("T")
 
@@ -65,3 +67,27 @@ def all_values(value: T) -> list[T]:
 def first_found(value: T | None) -> T | None:
     """The first non-None `value` over the ranks (rank order), on every rank."""
     return next((v for v in all_values(value) if v is not None), None)
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it pickles, else a RuntimeError with its type and message (it must travel to rank 0)."""
+    try:
+        pickle.dumps(e)
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(e).__name__}: {e}")
+    return e
+
+
+def gather_outcomes(fn: Callable[[], T]) -> list[tuple[bool, Any]] | None:
+    """fn() on every rank; on rank 0 every rank's outcome in rank order, (True, result) or (False, the exception fn
+    raised: any BaseException, so that a stop signal on one rank reaches rank 0 too), None on the other ranks. No
+    rank raises here: rank 0 decides (e.g. inside `share`) and every rank learns it."""
+    try:
+        outcome: tuple[bool, Any] = (True, fn())
+    except BaseException as e:  # every rank must reach the gather
+        outcome = (False, _portable(e))
+    if not distributed():
+        return [outcome]
+    outcomes: list[Any] | None = [None] * dist.get_world_size() if is_main() else None
+    dist.gather_object(outcome, outcomes, dst=0)
+    return outcomes

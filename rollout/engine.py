@@ -69,6 +69,11 @@ class Engine(ABC):
         """Serve all requests as one batch; results in request order. Raises EngineError on failure."""
 
     @abstractmethod
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling of requests without their own seed from `seed`, so that a rollout started with the
+        same seed, weights and requests samples the same tokens again (where the engine's batching allows)."""
+
+    @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights given as Hugging Face checkpoint-format (name, tensor) pairs, then drop every
         cached prefix computed with the old weights. Raises EngineError on failure."""

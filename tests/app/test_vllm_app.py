@@ -20,6 +20,7 @@ from app.__main__ import main  # noqa: E402
 from app.config import ModelSection, RolloutSection, VLLMSection  # noqa: E402
 from app.engines import build_engine  # noqa: E402
 from app.policy import build_policy  # noqa: E402
+from app.rollout_shards import engine_shard  # noqa: E402
 from models.hf_io import checkpoint_tensors  # noqa: E402
 from rollout.engine import GenerationRequest  # noqa: E402
 from tests.app.jobs import TORCH_JOB, write_job  # noqa: E402
@@ -70,7 +71,8 @@ def flat_logprobs(model, prompt, completion) -> np.ndarray:
 def test_vllm_logprobs_match_the_trainer_after_reload():
     old, tokenizer = bf16_policy(seed=0)
     new, _ = bf16_policy(seed=1)
-    engine = build_engine(SECTION, old, tokenizer)
+    engine = build_engine(SECTION, old.config, tokenizer, engine_shard(0, 1, 1), torch.device("cpu"))
+    engine.update_weights(checkpoint_tensors(old))
     engine.update_weights(checkpoint_tensors(new))
     prompt = tokenizer("<|bos|><|user|>12+7*3<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
     (result,) = engine.generate([GenerationRequest(prompt_token_ids=prompt, n=4, max_new_tokens=16,

@@ -39,6 +39,9 @@ class Scripted(Engine):
         ids = TOKENIZER(text, add_special_tokens=False)["input_ids"][: request.max_new_tokens]
         return Completion(tuple(ids), tuple(-0.5 for _ in ids), "stop" if len(ids) == len(text) else "length")
 
+    def reseed(self, seed):
+        raise NotImplementedError
+
     def update_weights(self, named_tensors):
         raise NotImplementedError
 

@@ -42,6 +42,9 @@ class Scripted(Engine):
         ids = TOKENIZER(text, add_special_tokens=False)["input_ids"]
         return Completion(tuple(ids), tuple(-1.0 for _ in ids), "stop")
 
+    def reseed(self, seed):
+        raise NotImplementedError
+
     def update_weights(self, named_tensors):
         raise NotImplementedError
 

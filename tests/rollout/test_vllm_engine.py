@@ -62,6 +62,9 @@ class Recording(Engine):
         self.served.extend(zip(requests, results))
         return results
 
+    def reseed(self, seed):
+        self.inner.reseed(seed)
+
     def update_weights(self, named_tensors):
         self.inner.update_weights(named_tensors)
 
@@ -187,3 +190,17 @@ def test_engine_leaves_torch_threads_to_the_trainer(engine):
     torch.set_num_threads(2)
     assert torch.get_num_threads() == 2
     torch.set_num_threads(threads)
+
+
+def test_reseed_repeats_sampling_without_request_seeds(engine):
+    """vLLM samples requests without a seed from torch's default generator: after `reseed` (and an empty prefix
+    cache, so that the batches are scheduled alike) the same requests give the same tokens; another seed others."""
+
+    def sampled(seed):
+        engine.reset_prefix_cache()
+        engine.reseed(seed)
+        return [c.token_ids for c in engine.generate([request(PROMPT, n=3, max_new_tokens=12)])[0].completions]
+
+    first = sampled(1234)
+    assert sampled(1234) == first
+    assert sampled(99) != first
