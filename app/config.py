@@ -199,8 +199,8 @@ class TrainConfig:
     """Aux-loss-free balancing step of models with expert biases (Kimi-Linear); 0 = off."""
     attention_backend: Literal["dense", "flex", "branch"] = "dense"
     """Tree full-attention backend (models/tree/attention.py): "dense" is the O(C^2)-memory reference for CPUs;
-    "branch" (HARTS's packed Q/KV views, flash kernel in bf16) on GPUs; "flex" (FlexAttention, O(C) mask) measured
-    2.4x slower than "branch" on an H200 (bench/RESULTS.md)."""
+    "branch" (HARTS's packed Q/KV views, flash kernel in bf16) on GPUs; "flex" (FlexAttention, O(C) mask), slower
+    than "branch" (measurements: bench/RESULTS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Trainer device; "auto" = cuda when available."""
     threads: int | None = None

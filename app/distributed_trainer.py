@@ -1,4 +1,4 @@
-"""The policy trained by every rank of a torchrun launch (see README "Distributed training").
+"""The policy trained by every rank of a torchrun launch (see docs/distributed.md).
 
 Rank 0 is the main rank: it runs the rollout engine, builds the trees, computes advantages and plans the step's
 microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every rank.

@@ -146,7 +146,7 @@ def _build_trainer(config: JobConfig, model: HybridForCausalLM):
     if launch_size(config) > 1:
         raise ConfigError(
             f"the [parallel] degrees need {launch_size(config)} ranks but this process runs alone: start the job "
-            "with ./run.sh (it launches torchrun on this node) or torchrun per node (README 'Distributed training')"
+            "with ./run.sh (it launches torchrun on this node) or torchrun per node (docs/distributed.md)"
         )
     return LocalTrainer(config, model, resolve_device(config.train.device))
 

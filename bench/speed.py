@@ -249,7 +249,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     peak_flops = PEAK_FLOPS.get(device.type)
 
     def utilisation(rows: float, pairs: float, seconds: float) -> dict:
-        """MFU of `rows` rows and `pairs` query-key pairs in `seconds`: 6 N only (the issue's form), and with
+        """MFU of `rows` rows and `pairs` query-key pairs in `seconds`: 6 N only (the common form), and with
         full attention's products (bench.flops)."""
         if not peak_flops:
             return {}

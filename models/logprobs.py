@@ -36,7 +36,7 @@ CHUNK_BUDGET_BYTES = 512 * 2**20
 MAX_CHUNK_ROWS = 4096
 #: Bytes of logit gradients (in the hidden states' dtype) kept for one accumulation of the LM-head gradient: whole
 #: chunks, at least one. The accumulation reads and writes the [V, D] fp32 gradient, so with one chunk's few hundred
-#: rows it is bound by memory (0.77 ms per chunk on ling-3-tiny, at 266 TFLOP/s, on the H200).
+#: rows it is bound by memory (profiled: bench/RESULTS.md, "Profiled costs behind design choices").
 WEIGHT_GRAD_GROUP_BYTES = 2**30
 
 

@@ -160,8 +160,8 @@ class _BF16RouterLogits(torch.autograd.Function):
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` -> `[T, E]` fp32 (float64 for float64), as GEMMs of exactly `ROUTER_BLOCK_ROWS` rows each
     (see the module docstring): bf16 rows and weights run `_BF16RouterLogits` (on CUDA bf16 GEMMs writing fp32, in
-    place of fp32 GEMMs on upcast copies: 76 ms of a 60,664-row flat ling-3-tiny microbatch at 26-57 TFLOP/s on the
-    H200), other dtypes the reference `naive_router_logits`."""
+    place of slower fp32 GEMMs on upcast copies: bench/RESULTS.md, "Profiled costs behind design choices"), other
+    dtypes the reference `naive_router_logits`."""
     if x_TD.dtype == torch.bfloat16 and weight_ED.dtype == torch.bfloat16:
         return _BF16RouterLogits.apply(x_TD, weight_ED)
     return naive_router_logits(x_TD, weight_ED)

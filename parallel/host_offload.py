@@ -1,5 +1,4 @@
-"""Saved activations of a microbatch parked in host memory between its forward and its backward (prefix carry,
-issue #17).
+"""Saved activations of a microbatch parked in host memory between its forward and its backward (prefix carry).
 
 A carry microbatch whose rows later microbatches read stays open while they run: its backward comes after theirs.
 Under full-layer recomputation what it holds is its layer inputs (`[C, D]` per layer: ling-3-tiny 24 x 1,536 bf16,

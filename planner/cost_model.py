@@ -20,8 +20,7 @@ per token (`expansion_per_token`) has no GPU measurement yet, so by default it i
 per view row (each of its rows is one view row): a trie, which has at most as many rows, is then slower only when
 its view rows outnumber its tokens, and with replay they never do (every sequence ends at a leaf, so its view rows
 sum the leaf trajectories' lengths): nothing runs flat until `bench.speed` has measured an expansion
-(`expansion_per_token` in its fit). (Trajectory-wise training on the baseline's own
-flat path costs 68.13 us per token here: 80.41 s over 1,180,320 tokens, session 8.)
+(`expansion_per_token` in its fit).
 """
 
 from __future__ import annotations

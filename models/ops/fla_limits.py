@@ -54,6 +54,6 @@ def gdn_backward_rule(triton_version: str | None, capability: tuple[int, int] | 
     fla = _installed("fla-core") or "?"
     return (
         f"fla {fla} refuses Gated DeltaNet's chunk backward on Hopper (compute capability "
-        f"{capability[0]}.{capability[1]}) with triton {triton_version} (>= {low}, < {high} computes it wrong, fla "
-        f"issue #640): install triton >= {high} or tilelang"
+        f"{capability[0]}.{capability[1]}) with triton {triton_version} (>= {low}, < {high} computes it wrong, "
+        f"fla-org/flash-linear-attention#640): install triton >= {high} or tilelang"
     )

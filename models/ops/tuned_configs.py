@@ -4,8 +4,8 @@ fla 0.6.0 autotunes a kernel the first time it meets an autotuning key (head cou
 never the number of rows) and keeps that choice for the process and, through Triton's cache, for later processes.
 So the first call's shapes choose the config for every later call: a benchmark started after a small test ran with
 configs timed on a few hundred rows (seen on the H200: `chunk_gla_fwd_kernel_o` and five other KDA kernels were
-tuned at 0.01-0.04 ms per call and then ran 60,664-row microbatches). Autotuning also takes most of a cold first
-step (minutes on the H200, issue #20).
+tuned on calls of a few hundred rows and then ran 60,664-row microbatches). Autotuning also takes most of a cold first
+step (bench/RESULTS.md, "GPU: the RL job's first step").
 
 fla reads chosen configs from files instead when told to (`fla.ops.utils.cache`: `FLA_CONFIG_DIR`, and
 `FLA_CACHE_MODE`, read once when fla is imported): `<FLA_CONFIG_DIR>/<kernel>.json`, one entry per autotuning key.

@@ -1,4 +1,4 @@
-"""Prefix carry at run time (issue #17): the layers of a carry microbatch read what earlier microbatches of the step
+"""Prefix carry at run time: the layers of a carry microbatch read what earlier microbatches of the step
 exported and export what later ones read; `CarryExchange` holds those tensors between the step's events.
 
 Legend: C own compact rows (physical order), P / Xc / X / Y carried attention, conv, replay rows and states

@@ -1,4 +1,4 @@
-"""Layouts of prefix-carry microbatches (issue #17): parts of trees larger than a microbatch, and what crosses
+"""Layouts of prefix-carry microbatches: parts of trees larger than a microbatch, and what crosses
 between them (host side, numpy; built once per step).
 
 Legend: C own compact rows of a microbatch (physical order), P carried full-attention context rows (all its parts),

@@ -1,4 +1,4 @@
-"""The config-time faults of issue 18: each bad setting or unreadable file stops the job before any work with one
+"""The config-time faults: each bad setting or unreadable file stops the job before any work with one
 `error:` line naming the key (or the file and line) and exit code 2, with no traceback and nothing written.
 
 Most cases call `main` (or the checks) in this process: an escaping exception would fail the test, so returning 2

@@ -1,4 +1,4 @@
-"""Prefix carry (issue #17) equals trajectory-wise training (float64, CPU, <= 1e-10 relative).
+"""Prefix carry equals trajectory-wise training (float64, CPU, <= 1e-10 relative).
 
 Two rollout trees, each cut into parts at rows chosen here (forks at B-1, B and B+1 of the chunk grid right at part
 boundaries, and cuts inside a segment); microbatch k holds part k of each tree; they run through

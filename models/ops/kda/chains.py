@@ -10,7 +10,8 @@ The kernels are fla 0.6.0's `chunk_gated_delta_rule_fwd_kernel_h_blockdim64` and
 gate `gk`, K-first fp32 states, varlen, new values saved), the same operations on the same operands per chunk, only
 the loop over a sequence's chunks runs over its pieces' chunks. Call by call, piece j+1 starts from the fp32 state
 piece j wrote into the table; here it continues from the registers that held it, so the forward's chunk states, new
-values and table entries are the same bits (`tests/models/ops/test_kda_calls.py` on the H200).
+values and table entries are the same bits (`tests/models/ops/test_kda_calls.py`; its GPU runs: bench/RESULTS.md,
+"GPU: CUDA tests").
 
 Backward walks the pieces in reverse: before a piece's last chunk it adds the gradient of the piece's table entry
 (what later rounds' sequences starting from it, and the caller, gave it) to the state gradient in registers; call by

@@ -18,8 +18,8 @@ gradient starts from in an earlier round. Where fla's dispatch would run another
 or would autotune them (no tuned config for flat's call: the chains could not know the tiles it picks), they run
 call by call through fla's dispatch (`models.ops.kda.recurrence`). Chunk states and values are written into the
 layer's buffers in place. The forward's kernels see exactly the chunks and states that `chunk_kda` call by call
-gives them, so the outputs and states are the same, bit for bit (`tests/models/ops/test_kda_calls.py`: on the H200
-for the call-by-call path in session 21; the chains are checked without a GPU by `test_kda_chains.py`).
+gives them, so the outputs and states are the same, bit for bit (`tests/models/ops/test_kda_calls.py` on a GPU:
+bench/RESULTS.md, "GPU: CUDA tests"; the chains are checked without a GPU by `test_kda_chains.py`).
 In a layer that backward recomputes (`models.recompute.in_recomputed_part`) the forward saves the WY factors, gated
 q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla save them, so backward runs neither
 `recompute_w_u_fwd` nor the forward recurrence again.
@@ -27,8 +27,8 @@ q/k, chunk states and new values (`Kept`), as `models.ops.kda.chunk` has fla sav
 Host cost: fla's `chunk_kda` launches about 7 kernels forward and 10 backward per call, each through its Python
 dispatch; here it is about 7 and 10 per layer plus, per round, the recurrence and, in backward, the add of its
 sequences' initial-state gradients into the table's (one add where they are one run of entries, else a sorted
-add). Tree layers on SWE-like steps hold up to 27 calls of a few hundred rows each (issue #17; the SWE step of
-issue #20: 14 calls in 2 rounds), where the host, not the GPU, set the pace. One autograd Function for all calls
+add). Tree layers on SWE-like steps hold up to 27 calls of a few hundred rows each (SWE seed 5 at scale 0.01;
+seed 0: 14 calls in 2 rounds), where the host, not the GPU, set the pace. One autograd Function for all calls
 also leaves no per-round concatenation of outputs and input gradients.
 
 Reference: the call-by-call loop `models.linear_attention.LinearAttention.core_calls`. The fla calls mirror
