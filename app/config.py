@@ -22,6 +22,7 @@ from app.data.config import DataConfig
 from app.objectives import PolicyLossConfig
 from parallel.config import ParallelConfig
 from planner.cost_model import CostModel
+from planner.step_plan import longest_trajectory
 from rollout.config import RolloutConfig
 
 __all__ = ["JobConfig", "ConfigError"]
@@ -329,7 +330,7 @@ class JobConfig:
         self._check_offline()
         if self.job.kind != "plan":
             self._check_plan_mode()
-        if self.job.kind == "rl" and self.plan_mode == "duplicate":
+        if self.job.kind == "rl":
             self._check_capacity()
 
     def _check_offline(self) -> None:
@@ -374,11 +375,13 @@ class JobConfig:
             )
 
     def _check_capacity(self) -> None:
-        """In duplicate mode every path of a rollout tree must fit one microbatch: the engine stops a path at
-        `max_model_len` tokens, and the environment may append one observation of up to `max_env_tokens` after it."""
+        """Every path of a rollout tree must be one the plan mode takes (`planner.step_plan.longest_trajectory`: in
+        duplicate mode one that fits a microbatch): the engine stops a path at `max_model_len` tokens, and the
+        environment may append one observation of up to `max_env_tokens` after it."""
         r = self.rollout
         longest = r.max_model_len + r.max_env_tokens
-        if self.planner.capacity < longest:
+        limit = longest_trajectory(self.plan_mode, self.planner.capacity)
+        if limit is not None and limit < longest:
             raise ConfigError(
                 f"`planner.capacity` = {self.planner.capacity} is shorter than the longest possible path: "
                 f"rollout.max_model_len ({r.max_model_len}) + rollout.max_env_tokens ({r.max_env_tokens}) = {longest} "

@@ -11,7 +11,7 @@ A job subclasses `Job` and gives:
 
 and uses what `Job` holds: `config`, `trainer` (app.trainer.Trainer: one process or every rank of a torchrun launch),
 `tokenizer`, `environment`, `data`, `done`, `console`, `main`, and the step machinery: `_planned` (the step's
-microbatch plan for the D replicas), `_prepare` (this replica's microbatches), `_update` (forward, backward and an
+microbatch plan for the D replicas), `_prepare` (this replica's step), `_update` (forward, backward and an
 optimizer step, skipped on a non-finite loss or norm), `_policy_updates` (the `[rl]` objective's epochs), `_lr`,
 `_end_step` (metrics, console line, checkpoint when due, stop signals). The hooks get what they need as arguments and
 read nothing built after them, so their order in `__init__` is the only one.
@@ -49,15 +49,14 @@ from app.progress import JobProgress
 from app.stop_signal import StepAbandoned, StopSignal
 from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
-from models.carry_microbatch import CarryStep
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
-from models.microbatch import Microbatch
 from models.ops.dispatch import set_fused_rowwise
 from models.ops.kernel_cache import KernelCache, use_kernel_cache
 from models.ops.varlen_attention import auto_cuda_attention, use_cuda_attention
+from models.step import Step
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.replica import prepare_planned
+from parallel.replica import prepare_step
 from parallel.runner import StepMetrics
 from planner.carry.plan import CarryPlan
 from planner.microbatch.plan import MicrobatchPlan
@@ -260,21 +259,18 @@ class Job:
         plan = plan_step(trajectories, planner.capacity, self.trainer.dp, self.config.plan_mode, cost=planner.cost)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
-    def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch] | CarryStep:
-        """This replica's microbatches of the step (carry microbatches and their events under a CarryPlan), with
-        their loss inputs; in "auto" mode a HARTS plan's microbatch that shares too little runs flat (the cost
-        model's choice)."""
+    def _prepare(self, shared: SharedBatch, aggregation) -> Step:
+        """This replica's step of the plan, with its loss inputs: each microbatch as the plan says (its trie, its
+        flat expansion, or a carry microbatch with its links)."""
         t = self.trainer
-        cost = self.config.planner.cost if self.config.plan_mode == "auto" else None
-        return prepare_planned(shared.trajectories, shared.step_plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
-                               model_config=t.model.config, aggregation=aggregation, device=t.device, cost=cost)
+        return prepare_step(shared.trajectories, shared.step_plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
+                            model_config=t.model.config, aggregation=aggregation, device=t.device)
 
-    def _update(self, microbatches: list[Microbatch] | CarryStep, loss_fn, lr: float, temperature: float,
-                label: str) -> Update:
+    def _update(self, step: Step, loss_fn, lr: float, temperature: float, label: str) -> Update:
         """One forward/backward over the step and an optimizer step; a non-finite loss or norm skips it."""
         t = self.trainer
         t.set_lr(lr)
-        metrics = t.runner.train_step(microbatches, loss_fn, temperature=temperature, entropy=True)
+        metrics = t.runner.train_step(step, loss_fn, temperature=temperature, entropy=True)
         update = Update(metrics, reduce_step(metrics, t.dp_group, t.device), lr)
         if not math.isfinite(update.step["loss"]):
             t.optimizer.zero_grad(set_to_none=True)

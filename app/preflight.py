@@ -51,6 +51,7 @@ from models.config import GDNConfig
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
 from models.ops.fla_limits import gdn_backward_limit
+from planner.step_plan import longest_trajectory
 from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
@@ -274,7 +275,8 @@ def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
             f"least {observation}"
         )
     longest = max(len(t) for tree in trees for t in tree.trajectories())
-    if c.train.sft_steps > 0 and c.plan_mode == "duplicate" and longest > c.planner.capacity:
+    limit = longest_trajectory(c.plan_mode, c.planner.capacity)
+    if c.train.sft_steps > 0 and limit is not None and longest > limit:
         raise ConfigError(
             f"`planner.capacity` = {c.planner.capacity} is shorter than an SFT demonstration of environment "
             f"{env.name!r} ({longest} tokens); raise it to at least {longest}"

@@ -13,7 +13,7 @@ tree's kernel time against an ideal: flat's cost per row for everything but full
 pair for flash attention (the tree's pairs shrink less than its rows); the excess is what tree execution adds.
 
 `--modes` picks what runs (default flat,tree): also "duplicate", the whole step in duplicate mode (every microbatch
-of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench.speed.carry_step`, every unique row
+of the HARTS plan), and "carry", the whole step in carry mode (`bench.speed.carry_step`, every unique row
 once), each against the same ideal when flat runs too. "timed run - kernels" is the second unprofiled run's wall time
 minus the profiled run's kernel time: the time the GPU waits for the host (preparation, launches,
 synchronisations); `bench.idle` says where in the profiled run it lies (before the first kernel, and the longest
@@ -51,7 +51,7 @@ from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
 from models.recompute import parse_recompute_option
-from parallel.carry_runner import CarryRunner
+from parallel.plain_runner import PlainRunner
 from planner.carry.plan import plan_carry
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     trie = pack(trajs)
     packed = [pack(g) for g in groups]
     plan = plan_carry(trajs, args.capacity, 1) if "carry" in chosen else None
-    runner = CarryRunner(model, attention_backend=args.attention) if plan else None
+    runner = PlainRunner(model, attention_backend=args.attention) if plan else None
     steps = {
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
         "tree": lambda: tree_step(model, tree_trajs, dev, 1e6, args.attention),

@@ -80,7 +80,7 @@ class PipelinePart(nn.Module):
         """x: token ids `[Cm]` (first stage) or hidden rows `[Cm, D]`; stats: packed MoE statistics of the layers
         before, if any. Returns (hidden `[Cm, D]`, [stats]) to the next stage, or on the last stage (log-probs `[S]`
         of softmax(logits / temperature), final-normed hidden `[C, D]`, [entropies `[S]`], [stats of all MoE
-        layers]): what `HybridForCausalLM.tree_forward(..., temperature=...)` returns to the loss."""
+        layers]): what `HybridForCausalLM.forward(ctx, temperature=...)` returns to the loss."""
         C = ctx.layout.tokens.shape[0]
         h_CD = self.model.embed_tokens(x[:C]) if self.is_first else x[:C]
         h_CD, layer_stats = run_layers(self.model.layers.values(), h_CD, ctx)

@@ -91,7 +91,8 @@ class CarryLinks:
 
 @dataclass(eq=False)
 class CarryLayout:
-    """What one carry microbatch executes, on the trainer device."""
+    """What one carry microbatch executes, on the trainer device (`models.carry_microbatch` makes it a
+    `models.microbatch.Microbatch`)."""
 
     parts: tuple[Part, ...]
     """Its parts: tree index and preorder rows [start, stop)."""
@@ -103,23 +104,6 @@ class CarryLayout:
     """The linear-attention plan of its own rows (external roots where a part hangs below its context)."""
     scored: list[np.ndarray]
     """Per part: the positions of its tree's semantic arrays scored here (ascending); log-probs come in this order."""
-    num_compact: int
-    """Own compact rows C."""
-
-    @property
-    def num_semantic(self) -> int:
-        """Scored positions S."""
-        return sum(int(s.size) for s in self.scored)
-
-    @property
-    def linear_attention_calls(self) -> int:
-        """Packed linear-attention kernel calls per layer."""
-        return self.layout.linear_attention_calls
-
-    @property
-    def flat(self) -> bool:
-        """Never: a carry microbatch runs as a trie, it reads and exports context (`Microbatch.flat`)."""
-        return False
 
 
 class _Rows:
@@ -369,5 +353,5 @@ def carry_layouts(
             logit_row, target, carried_replay_rows=int(plan.external_context.size),
         )
         layout, links = to_device((layout, CarryLinks(exports, imports)), device)
-        out.append(CarryLayout(rows.parts, layout, links, plan, scored, rows.num_compact))
+        out.append(CarryLayout(rows.parts, layout, links, plan, scored))
     return out

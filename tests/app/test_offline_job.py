@@ -21,7 +21,8 @@ from app.errors import ConfigError
 from app.policy import build_policy
 from models.hf_io import load_hf
 from models.microbatch import prepare_microbatch
-from parallel.carry_runner import CarryRunner
+from models.step import Step
+from parallel.plain_runner import PlainRunner
 from planner.jsonl import read_jsonl
 from tests.app.offline_trees import calculator_trees
 from tests.app.jobs import OUTPUTS, recording_batches
@@ -93,7 +94,8 @@ def test_bundled_example_is_what_its_generator_writes():
 def answer_logprob_gap(model, trajectories) -> float:
     """Mean log-prob of the right final answers minus that of the wrong ones (their last 4 tokens)."""
     with torch.no_grad():
-        (logprobs,) = CarryRunner(model).score([prepare_microbatch(trajectories, model.config, torch.device("cpu"))])
+        step = Step.self_contained([prepare_microbatch(trajectories, model.config, torch.device("cpu"))])
+        (logprobs,) = PlainRunner(model).score(step)
     offsets = np.cumsum([0] + [len(t) for t in trajectories])
     answer = np.array([logprobs[hi - 4:hi].mean().item() for hi in offsets[1:]])
     right = np.array([t.reward == 1.0 for t in trajectories])

@@ -88,7 +88,7 @@ class OpCounter(TorchDispatchMode):
 def backward_mm_calls(model, recompute, forward_context=contextlib.nullcontext) -> int:
     model.set_activation_checkpointing(recompute)
     with forward_context():
-        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+        out = model.flat_forward(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
     counter = OpCounter()
     with counter:
         out.logits.square().mean().backward()
@@ -226,7 +226,7 @@ def test_selective_gives_the_same_gradients(name, option):
     for recompute in (False, OPTIONS[option]):
         model.zero_grad()
         model.set_activation_checkpointing(recompute)
-        out = model(ids, cu_seqlens=cu(lengths))
+        out = model.flat_forward(ids, cu_seqlens=cu(lengths))
         stats = [s for s in out.moe_stats if s is not None]
         (out.logits.square().mean() + models.load_balancing_loss(sum(stats[1:], stats[0]))).backward()
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -260,7 +260,7 @@ def test_saved_op_outputs_are_not_written_after_they_are_made(name):
     model.set_activation_checkpointing(SelectiveRecompute(save=tuple(SAVE_GROUPS)))
     watch = SavedOutputWatch(save_ops(tuple(SAVE_GROUPS)))
     with watch:
-        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+        out = model.flat_forward(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
         out.logits.square().mean().backward()
     assert len(watch.made) > 10
     changed = [(op, tuple(t.shape)) for op, t, version in watch.made if t._version != version]
