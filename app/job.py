@@ -28,7 +28,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -51,9 +51,10 @@ from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
-from models.ops.dispatch import set_fused_rowwise
-from models.ops.kernel_cache import KernelCache, use_kernel_cache
-from models.ops.varlen_attention import auto_cuda_attention, use_cuda_attention
+from models.ops.kernel_cache import KernelCache
+from models.ops.kernel_environment import use_kernel_environment
+from models.ops.settings import KernelSettings
+from models.ops.varlen_attention import auto_cuda_attention, check_cuda_attention
 from models.step import Step
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.replica import prepare_step
@@ -97,31 +98,42 @@ class Update:
     """Per layer, the step's expert loads summed over replicas (None for dense layers); empty when skipped."""
 
 
-def _kernel_cache(config: JobConfig) -> KernelCache | None:
-    """On a GPU: point Triton's cache (TRITON_CACHE_DIR) at `train.kernel_cache` before any kernel compiles, in every
-    rank (vLLM's processes inherit it); None on a CPU, where nothing compiles through Triton."""
+def _kernel_settings(config: JobConfig) -> KernelSettings:
+    """The policy's kernels as `[train]` chooses them (`train.fused_rowwise`, `train.kernel_cache`); the attention
+    pair follows once the policy's attention shapes are known (`_attention_kernels`)."""
+    folder = config.train.kernel_cache
+    return KernelSettings(fused_rowwise=config.train.fused_rowwise,
+                          kernel_cache=None if folder is None else Path(folder))
+
+
+def _kernel_cache(config: JobConfig, kernels: KernelSettings) -> KernelCache | None:
+    """On a GPU: set the kernels' environment from `kernels` before any kernel compiles and before fla is imported
+    (`models.ops.kernel_environment`: Triton's cache at `train.kernel_cache`, in every rank, and vLLM's processes
+    inherit it); None on a CPU, where nothing compiles through Triton."""
     if resolve_device(config.train.device).type != "cuda":
         return None
     default = Path(config.checkpoint.dir).parent / "kernel-cache"
     try:
-        return use_kernel_cache(config.train.kernel_cache, default, "train.kernel_cache")
+        return use_kernel_environment(kernels, default, "train.kernel_cache")
     except OSError as e:
         raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
 
 
-def _use_attention_kernels(config: JobConfig, model: ModelConfig) -> str | None:
-    """On a GPU: run `train.attention_kernels` in every rank (for "auto", the pair it means for `model`'s attention)
-    and return the line that says which pair runs (and, for "auto", why); a ConfigError when the chosen pair cannot
-    run. None on a CPU."""
+def _attention_kernels(config: JobConfig, model: ModelConfig,
+                       kernels: KernelSettings) -> tuple[KernelSettings, str | None]:
+    """On a GPU: `kernels` with the pair of `train.attention_kernels` (for "auto", the pair it means for `model`'s
+    attention) and the line that says which pair runs (and, for "auto", why); a ConfigError when the chosen pair
+    cannot run. On a CPU, where attention runs the reference, `kernels` unchanged and None."""
     if resolve_device(config.train.device).type != "cuda":
-        return None
+        return kernels, None
     choice = config.train.attention_kernels
     pair, why = auto_cuda_attention(model.attention_shapes) if choice == "auto" else (choice, "")
     try:
-        use_cuda_attention(pair)
+        check_cuda_attention(pair)
     except RuntimeError as e:
         raise ConfigError(f"`train.attention_kernels` = \"{choice}\": {e}") from None
-    return f"attention kernels: {pair}" + (f' (train.attention_kernels = "auto": {why})' if why else "")
+    line = f"attention kernels: {pair}" + (f' (train.attention_kernels = "auto": {why})' if why else "")
+    return replace(kernels, attention=pair), line
 
 
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
@@ -166,10 +178,11 @@ class Job:
         c = config
         if c.train.threads is not None:
             torch.set_num_threads(c.train.threads)
-        kernel_cache = _kernel_cache(c)
-        set_fused_rowwise(c.train.fused_rowwise)
+        kernels = _kernel_settings(c)
+        kernel_cache = _kernel_cache(c, kernels)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
-        attention_kernels = _use_attention_kernels(c, model.config)
+        kernels, attention_kernels = _attention_kernels(c, model.config, kernels)
+        model.use_kernels(kernels)
         self.environment = self.make_environment(self.tokenizer)
         self.trainer = _build_trainer(c, model)
         self.trainer.own(c.checkpoint.export_dir, "checkpoint.export_dir")

@@ -36,7 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, kernel_choice
 from bench.speed import recompute_option
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
@@ -44,6 +44,7 @@ from models.hf_io import load_hf
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
+from models.ops.settings import KernelSettings
 from models.presets import preset
 from models.recompute import parse_recompute_option
 from models.tree.mixers import TreeContext
@@ -133,7 +134,8 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
     prev = torch.arange(S, device=device) - 1
     prev = torch.where(valid, prev, torch.zeros_like(prev))
     logits = semantic_logits_fn(out.hidden, prev, model.lm_head_weight)
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, torch.where(valid, prev, -1), ids).double()
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, torch.where(valid, prev, -1), ids,
+                          fused=model.kernels.fused_rowwise).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True) if grads else None
@@ -149,7 +151,8 @@ def tree_run(model, trajectories, device, replay: bool, backend: str) -> tuple[R
     valid = layout.logit_row >= 0
     rows = torch.where(valid, layout.logit_row, torch.zeros_like(layout.logit_row))
     logits = semantic_logits_fn(out.hidden, rows, model.lm_head_weight)
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target).double()
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target,
+                          fused=model.kernels.fused_rowwise).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
@@ -235,7 +238,7 @@ def float64_run(model, batch: CompactBatch, device) -> Run:
     """The flat reference with the same weights in float64 (reference kernels), forward only: a float64 copy of a
     large model and its gradients would not fit next to the low-precision runs (ling-3-tiny: 7.8B parameters)."""
     with torch.device(device):
-        oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64"))
+        oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64"), model.kernels)
     oracle.load_state_dict(model.state_dict())
     return flat_run(oracle, batch, device, grads=False)
 
@@ -328,11 +331,13 @@ def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, target
     }
 
 
-def run(args) -> dict:
+def run(args, kernels: KernelSettings = KernelSettings()) -> dict:
+    """The comparison for the parsed arguments; `kernels`: GPU runs' kernel settings from `--kernel-cache`
+    (`bench.kernel_cache.open_kernel_cache`), to which the kernel flags are added for the model."""
     device = torch.device(args.device)
     model = build_model(args)
     if device.type == "cuda":
-        use_kernel_choice(args, model.config.attention_shapes)
+        model.use_kernels(kernel_choice(args, model.config.attention_shapes, kernels))
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     chunk = model.config.chunk_size
     if args.trajectories:
@@ -502,10 +507,9 @@ def main(argv=None) -> int:
         parser.error("--oracle compares against float64: run it with --dtype float32 or bfloat16")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
-    if args.device == "cuda":
-        open_kernel_cache(args)
+    kernels = open_kernel_cache(args) if args.device == "cuda" else KernelSettings()
     try:
-        result = run(args)
+        result = run(args, kernels)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

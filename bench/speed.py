@@ -44,13 +44,13 @@ import torch
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.flops import PEAK_FLOPS, active_params, attention_flops_per_pair, mfu
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_attention_pair, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, check_attention_pair, kernel_choice
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
-from models.ops.dispatch import set_fused_rowwise
+from models.ops.settings import KernelSettings
 from models.ops.varlen_attention import CUDA_ATTENTION
 from models.presets import preset
 from models.recompute import parse_recompute_option
@@ -121,7 +121,7 @@ def flat_step(model, trajectories, device, normalizer) -> None:
     out = model.hidden_states(ids, pos, cu)
     rows = torch.arange(ids.numel(), device=device) - 1
     rows[cu[:-1]] = -1
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, rows, ids)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, rows, ids, fused=model.kernels.fused_rowwise)
     mask = (rows >= 0).to(lp.dtype)
     adv = torch.as_tensor(np.concatenate([t.advantage for t in trajectories]), device=device, dtype=lp.dtype)
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
@@ -132,7 +132,8 @@ def tree_step(model, trajectories, device, normalizer, backend, flat: bool = Fal
     mb = prepare_microbatch(trajectories, model.config, device, flat=flat)
     layout = mb.layout
     out = model.tree_hidden_states(TreeContext(layout, backend))
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target,
+                          fused=model.kernels.fused_rowwise)
     mask = (layout.logit_row >= 0).to(lp.dtype)
     adv = torch.as_tensor(mb.batches[0].advantage, device=device, dtype=lp.dtype)
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
@@ -584,15 +585,15 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    kernels = KernelSettings()
     if device.type == "cuda":
-        open_kernel_cache(args)
-        use_kernel_choice(args, preset(args.model).attention_shapes)
+        kernels = kernel_choice(args, preset(args.model).attention_shapes, open_kernel_cache(args))
         for pair in CUDA_ATTENTION if args.compare_attention else ():
-            use_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
+            check_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model), dtype=args.dtype)
     with torch.device(device):
-        model = HybridForCausalLM(config)
+        model = HybridForCausalLM(config, kernels)
     V = config.vocab_size
     workloads = [("swe", swe_like_step(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=V,
                                        max_path_tokens=args.capacity))]
@@ -605,8 +606,7 @@ def main(argv=None) -> int:
         print(f"run {label}", file=sys.stderr, flush=True)
         model.set_activation_checkpointing(parse_recompute_option(text))
         if device.type == "cuda":
-            set_fused_rowwise(fused)
-            use_attention_pair(pair)
+            model.use_kernels(dataclasses.replace(kernels, fused_rowwise=fused, attention=pair))
         measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
         cost = None
         if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:

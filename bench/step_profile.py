@@ -1,5 +1,5 @@
 """Where one microbatch's time goes, flat vs tree, on one GPU: host synchronisations by source line and the CUDA
-kernels that take the most time (issue 7, item 5).
+kernels that take the most time.
 
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
                                  [--attention branch] [--modes flat,tree,duplicate,carry]
@@ -43,7 +43,7 @@ from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regi
 from bench.host_time import host_profile
 from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, kernel_choice
 from bench.speed import (
     carry_step, first_fit_flat, flat_pairs, flat_step, heaviest, recompute_option, sync, tree_pairs, tree_step,
 )
@@ -124,12 +124,12 @@ def main(argv=None) -> int:
         parser.error(f"--modes: unknown {unknown}; choose among flat, tree, duplicate, carry")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    open_kernel_cache(args)
+    kernels = open_kernel_cache(args)
     config = dataclasses.replace(preset(args.model), dtype="bfloat16")
-    use_kernel_choice(args, config.attention_shapes)
+    kernels = kernel_choice(args, config.attention_shapes, kernels)
     dev = torch.device("cuda")
     with torch.device(dev):
-        model = HybridForCausalLM(config)
+        model = HybridForCausalLM(config, kernels)
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     trajs = swe_like_step(args.seed, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
     flat_groups = first_fit_flat(trajs, args.capacity)

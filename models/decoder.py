@@ -39,6 +39,7 @@ from models.logprobs import compact_logprobs
 from models.mla import MLA
 from models.moe import MoE, MoEStats
 from models.norms import RMSNorm
+from models.ops.settings import KernelSettings
 from models.recompute import LayerRecompute, SelectiveRecompute
 from models.tree.layout import TreeLayout
 from models.tree.mixers import TreeContext
@@ -212,9 +213,10 @@ def flat_context(T: int, position_ids: torch.Tensor | None, cu_seqlens: torch.Te
 
 
 class HybridForCausalLM(nn.Module):
-    """The decoder with its LM head (`model`, `lm_head`; no `lm_head` module when embeddings are tied)."""
+    """The decoder with its LM head (`model`, `lm_head`; no `lm_head` module when embeddings are tied), running its
+    ops on the kernels `kernels` names (`models.ops.settings.KernelSettings`; `use_kernels` changes them)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: KernelSettings = KernelSettings()):
         super().__init__()
         self.config = config
         self.model = HybridModel(config)
@@ -223,6 +225,17 @@ class HybridForCausalLM(nn.Module):
         self.reset_parameters()
         self.to(DTYPES[config.dtype])
         self.keep_upcast_buffers()
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: KernelSettings) -> None:
+        """Run this model's ops on `kernels` from now on: the model and each of its modules that dispatches to a
+        kernel (those with a `kernels` attribute: norms, FFNs, experts, mixers) hold it and pass their ops what it
+        says. Not process-wide: another model keeps its own. Call it before wrapping the model (FSDP2, compile,
+        pipeline stages), as a job does once it has resolved `train.attention_kernels` for the model."""
+        for module in self.modules():
+            if isinstance(getattr(module, "kernels", None), KernelSettings):
+                module.kernels = kernels
+        self.kernels = kernels
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -323,7 +336,8 @@ class HybridForCausalLM(nn.Module):
         `[C, D]` (`models.logprobs.compact_logprobs`). A tensor-parallel model overrides this with its
         vocabulary-parallel version."""
         return compact_logprobs(
-            hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy
+            hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy,
+            fused=self.kernels.fused_rowwise,
         )
 
     def forward(self, ctx: TreeContext, *, chunk_rows: int | None = None, entropy: bool = False,

@@ -45,7 +45,7 @@ class VocabParallelCausalLM(HybridForCausalLM):
         return vocab_parallel_compact_logprobs(
             copy_to_group(hidden_CD, embed.tp_group), weight_VD, layout.logit_row, layout.target,
             vocab_start=embed.tp_group_rank * weight_VD.shape[0], group=embed.tp_group, chunk_rows=chunk_rows,
-            entropy=entropy,
+            entropy=entropy, fused=self.kernels.fused_rowwise,
         )
 
 

@@ -115,13 +115,13 @@ def _gather_sources(k_CGK: torch.Tensor, v_CGW: torch.Tensor, groups: list[Branc
 
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
-        forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK)
+    def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale, pair):
+        forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK, pair)
         # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
         # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
         V = v_CGV.shape[-1]
-        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK, v_CGV) else v_CGV,
-                                       groups)
+        padded = pads_values(q_CHK, v_CGV, pair)
+        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, q_CHK.shape[-1]) if padded else v_CGV, groups)
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
@@ -156,11 +156,11 @@ class _BranchAttention(torch.autograd.Function):
             with region("branch view scatter-add"):
                 add_segment_sums(dk, dk_view, g.sums)
                 add_segment_sums(dv, dv_view[..., :V], g.sums)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def branch_attention(q_CHK: torch.Tensor, k_CGK: torch.Tensor, v_CGV: torch.Tensor, kv_index: torch.Tensor,
-                     groups: list[BranchGroup], scale: float) -> torch.Tensor:
+                     groups: list[BranchGroup], scale: float, pair: str = "flash") -> torch.Tensor:
     """Branch-view attention over compact rows -> `[C, H, V]` in q's dtype.
 
     Args:
@@ -168,5 +168,7 @@ def branch_attention(q_CHK: torch.Tensor, k_CGK: torch.Tensor, v_CGV: torch.Tens
         kv_index: [total view rows] physical rows of the views, branch after branch.
         groups: `branch_groups` of the microbatch.
         scale: softmax scale.
+        pair: the CUDA kernel pair (`models.ops.varlen_attention.varlen_kernels`; the model's
+            `KernelSettings.attention`, as flat execution's).
     """
-    return _BranchAttention.apply(q_CHK, k_CGK, v_CGV, kv_index, groups, scale)
+    return _BranchAttention.apply(q_CHK, k_CGK, v_CGV, kv_index, groups, scale, pair)

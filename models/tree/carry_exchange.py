@@ -119,7 +119,8 @@ class CarryContext(TreeContext):
             rows = mixer.project(h_CD, layout.positions)
             exported = self._rows(rows, "attention", names)
             rows = AttentionRows(rows.q, *(_cat(getattr(rows, n), carried, n) for n in names), rows.gate)
-        o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend)
+        o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend,
+                           mixer.kernels.attention)
         return mixer.output(o, rows), exported
 
     def _linear(self, mixer: LinearAttention, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

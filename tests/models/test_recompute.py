@@ -197,7 +197,7 @@ def test_fa4_forward_is_kept_by_the_attention_group(save, forward_calls, monkeyp
                                         softmax_scale)
 
     monkeypatch.setattr(fa4, "fa4_interface", lambda: FakeInterface)
-    monkeypatch.setattr(function, "varlen_kernels", lambda x: (fa4.fa4_varlen_forward, naive_varlen_backward))
+    monkeypatch.setattr(function, "varlen_kernels", lambda x, pair: (fa4.fa4_varlen_forward, naive_varlen_backward))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(11, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
     cu_ = torch.tensor([0, 4, 11])
