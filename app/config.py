@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.config_loader import PATH
-from app.errors import ConfigError
 from app.data.config import DataConfig
+from app.errors import ConfigError
 from app.objectives import PolicyLossConfig
 from parallel.config import ParallelConfig
 from planner.cost_model import CostModel

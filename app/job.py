@@ -42,8 +42,8 @@ from app.errors import CheckpointWriteError, ConfigError, JobError, TooManySkipp
 from app.export import export_policy
 from app.first_step import FirstStepWatch
 from app.launch import check_multi_rank, launch_size, under_torchrun
-from app.metrics import MetricsLog, new_run_name
 from app.losses import RouterLossConfig, rl_loss
+from app.metrics import MetricsLog, new_run_name
 from app.policy import build_policy, resolve_device
 from app.progress import JobProgress
 from app.stop_signal import StepAbandoned, StopSignal

@@ -32,13 +32,13 @@ import numpy as np
 from rich.console import Console
 
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.data import RecordFeed, build_trajectory_feed, path_limits
-from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
+from app.errors import ConfigError
+from app.job import Job, SharedBatch
 from app.losses import sft_loss
+from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
 from app.progress import JobProgress
 from models.config import ModelConfig
-from app.job import Job, SharedBatch
 from planner.microbatch.plan import check_inputs
 from planner.step_plan import longest_trajectory
 from planner.trajectory import Trajectory

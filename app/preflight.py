@@ -42,13 +42,12 @@ from pathlib import Path
 import torch
 
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.data import build_task_feed
 from app.environments import bind_tokenizer, make_environment
+from app.errors import ConfigError
 from app.launch import under_torchrun
 from app.policy import architecture, build_tokenizer
-from models.config import GDNConfig
-from models.config import ModelConfig
+from models.config import GDNConfig, ModelConfig
 from models.decoder import HybridForCausalLM
 from models.ops.fla_limits import gdn_backward_limit
 from planner.step_plan import longest_trajectory
@@ -312,7 +311,8 @@ def check_outputs(config: JobConfig, arch: ModelConfig, share: float = 1.0) -> N
     """The output folders are writable and their disks hold the next checkpoint (`share` of it on this node) and the
     export of `arch`."""
     c = config.checkpoint
-    folders = {"checkpoint.dir": c.dir, "checkpoint.export_dir": c.export_dir, "metrics.log_dir": config.metrics.log_dir}
+    folders = {"checkpoint.dir": c.dir, "checkpoint.export_dir": c.export_dir,
+               "metrics.log_dir": config.metrics.log_dir}
     folders = {key: Path(folder) for key, folder in folders.items() if folder is not None}
     for key, folder in folders.items():
         _folder_path(key, folder)

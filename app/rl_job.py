@@ -8,8 +8,8 @@
 The same loop runs in one process (app.trainer.LocalTrainer) and on every rank of a torchrun launch
 (app.distributed_trainer.DistributedTrainer): the main rank builds the trees (or demonstrations) and plans the
 step's microbatches for the job's D data-parallel replicas, every rank trains its replica's microbatches with
-its step runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank alone talks to the engine,
-logs and prints.
+its step runner (`parallel.runner`), step metrics are summed over the replicas, and the main rank alone talks to the
+engine, logs and prints.
 
 Every step's task set comes from a generator seeded by (train.seed, phase, step), or from `[data] tasks` records
 (app.data, whose state is in every checkpoint), so a resumed run sees the same tasks. A non-finite loss or gradient
@@ -39,8 +39,8 @@ from app.engines import build_engine
 from app.environments import bind_tokenizer, make_environment
 from app.errors import EngineFailure, InvalidEnvironmentOutput
 from app.job import Job, SharedBatch
-from app.metrics import plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars, train_scalars
 from app.losses import sft_loss
+from app.metrics import plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars, train_scalars
 from app.progress import CountingEngine, JobProgress
 from app.tree_picture import render_tree
 from models.config import ModelConfig

@@ -266,7 +266,8 @@ def per_layer_divergence(model, mb: Microbatch, backend: str, device) -> list[di
     ids_r, pos_r, cu_r, unpack = packed_inputs(batch, device, reverse=True)
     repacked = [x[unpack] for x in layer_outputs(model, lambda: model.hidden_states(ids_r, pos_r, cu_r))]
     sem_rows = torch.as_tensor(plan.compact_to_physical[batch.sem_to_compact], device=device)
-    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(TreeContext(mb.layout, backend)))]
+    ctx = TreeContext(mb.layout, backend)
+    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(ctx))]
     depth = torch.as_tensor(plan.handoff_depth[batch.sem_to_compact], device=device)
     depths = torch.unique(depth).tolist()
 
@@ -481,9 +482,11 @@ def main(argv=None) -> int:
                         metavar="OPTION",
                         help="activation recomputation in every run (same forward numerics): none (default), full "
                              "(also a bare --recompute) or selective[:key=value,...] as in bench.speed")
-    parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
+    parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"],
+                        help="tree attention backend")
     parser.add_argument("--oracle", action="store_true",
-                        help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")
+                        help="also compare flat, Arbor and repacked flat against a float64 flat run of the same "
+                             "weights")
     parser.add_argument("--per-layer", action="store_true",
                         help="per layer and handoff depth: rows whose output is not bitwise equal to flat")
     parser.add_argument("--seed", type=int, default=0)

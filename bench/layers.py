@@ -35,7 +35,7 @@ import models.linear_attention
 import models.mla
 import models.moe
 import models.norms
-from models.config import GDNConfig, GatedAttentionConfig
+from models.config import GatedAttentionConfig, GDNConfig
 from models.decoder import DecoderLayer, flat_context
 from models.experts import naive_expert_swiglu
 from models.ops.conv import naive_causal_conv1d
@@ -89,7 +89,8 @@ def layer_config(preset: str, kind: str) -> models.ModelConfig:
     if kind == "gdn" and not isinstance(config.linear_attention, GDNConfig):
         config.linear_attention = GDNConfig(num_k_heads=heads, num_v_heads=heads, head_k_dim=128, head_v_dim=128)
     if kind == "gated" and not isinstance(config.full_attention, GatedAttentionConfig):
-        config.full_attention = GatedAttentionConfig(num_heads=heads, num_kv_heads=max(1, heads // 8), head_dim=D // heads)
+        config.full_attention = GatedAttentionConfig(num_heads=heads, num_kv_heads=max(1, heads // 8),
+                                                     head_dim=D // heads)
     return dataclasses.replace(config, dtype="bfloat16")
 
 

@@ -27,8 +27,8 @@ import numpy as np
 from bench.workloads import swe_like_step, tau2_like_step
 from models.config import GatedAttentionConfig, KDAConfig, MLAConfig, ModelConfig
 from models.presets import preset
-from planner.microbatch.baselines import BASELINES
 from planner.carry.plan import CarryPlan, ContextSizes, SortedStep
+from planner.microbatch.baselines import BASELINES
 from planner.microbatch.plan import MicrobatchPlan, imbalance, plan_microbatches
 from planner.step_plan import plan_step
 

@@ -24,10 +24,10 @@ Core adds Arbor's microbatch planner. Every mode accumulates gradients over all 
 ~1.2). The `auto` mode (when flat and duplicate run) runs the duplicate plan as the RL job's `planner.mode = "auto"`
 does, under a linear cost model fitted to this run's own measurements: each microbatch as its trie, or as its flat
 expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`, the
-planner's choice: `planner.microbatch.flat`, charged to Core like the plan). MFU (cuda) is printed for each mode in two forms (`bench.flops`): 6 per
-active parameter and executed row, and with full attention's products over the causal query-key pairs executed.
-(Earlier versions packed the other microbatches' trajectories flat
-like the baseline instead: the "auto x" columns of docs/history.md's earlier sections measured that.)
+planner's choice: `planner.microbatch.flat`, charged to Core like the plan). MFU (cuda) is printed for each mode in
+two forms (`bench.flops`): 6 per active parameter and executed row, and with full attention's products over the
+causal query-key pairs executed. (Earlier versions packed the other microbatches' trajectories flat like the
+baseline instead: the "auto x" columns of docs/history.md's earlier sections measured that.)
 """
 
 from __future__ import annotations

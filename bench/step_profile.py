@@ -45,7 +45,15 @@ from bench.idle import profile_idle
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
 from bench.kernel_choice import add_kernel_choice_options, kernel_choice
 from bench.speed import (
-    carry_step, first_fit_flat, flat_pairs, flat_step, heaviest, recompute_option, sync, tree_pairs, tree_step,
+    carry_step,
+    first_fit_flat,
+    flat_pairs,
+    flat_step,
+    heaviest,
+    recompute_option,
+    sync,
+    tree_pairs,
+    tree_step,
 )
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM

@@ -44,6 +44,7 @@ from models.recompute import LayerRecompute, SelectiveRecompute
 from models.tree.layout import TreeLayout
 from models.tree.mixers import TreeContext
 
+
 @dataclass
 class FlatContext:
     """What every layer needs for a flat packed forward."""

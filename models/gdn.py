@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import GDNConfig
+from models.dtypes import upcast
 from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
-from models.dtypes import upcast
 from models.ops import gdn_core, l2_norm
 
 

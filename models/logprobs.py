@@ -78,8 +78,9 @@ class VocabShards:
 
 
 def _addmm_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> None:
-    """acc += a @ b in place, with `acc` in the compute dtype (see `models.dtypes.mm_upcast`): on CUDA one cuBLAS call with beta = 1,
-    instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient: [V, D] per chunk)."""
+    """acc += a @ b in place, with `acc` in the compute dtype (see `models.dtypes.mm_upcast`): on CUDA one cuBLAS call
+    with beta = 1, instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient:
+    [V, D] per chunk)."""
     if a_MK.dtype == acc_MN.dtype:
         acc_MN.addmm_(a_MK, b_KN)
     elif a_MK.is_cuda and acc_MN.dtype == torch.float32:

@@ -2,10 +2,10 @@
 
 Legend: T tokens (rows), D model dim, E experts, k experts per token, F expert hidden width.
 
-Routing (per row, in fp32; float64 for float64 models): logits = W x; scores s = softmax(logits) or sigmoid(logits); the k experts maximise
-s + b (b = `e_score_correction_bias` when `expert_bias`, else 0; with `num_groups` > 1 only inside the `topk_groups`
-groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, divided by their sum when
-`norm_topk_prob`, times `routed_scaling_factor`. Output = sum_e w_e expert_e(x) + shared(x), where shared(x) is
+Routing (per row, in fp32; float64 for float64 models): logits = W x; scores s = softmax(logits) or sigmoid(logits); the
+k experts maximise s + b (b = `e_score_correction_bias` when `expert_bias`, else 0; with `num_groups` > 1 only inside
+the `topk_groups` groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, divided by their sum
+when `norm_topk_prob`, times `routed_scaling_factor`. Output = sum_e w_e expert_e(x) + shared(x), where shared(x) is
 scaled by sigmoid(shared_expert_gate x) when gated. This reproduces transformers' Qwen3NextSparseMoeBlock (softmax,
 gated shared expert) and KimiLinearMoE (sigmoid, bias, scaling, ungated shared experts).
 
@@ -249,7 +249,8 @@ def dispatch_rows(x_TD: torch.Tensor, row_M: torch.Tensor, slot_Tk: torch.Tensor
 
 
 class Experts(nn.Module):
-    """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first), `down_proj [E, D, F]`."""
+    """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first),
+    `down_proj [E, D, F]`."""
 
     kernels: KernelSettings = KernelSettings()
     """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it

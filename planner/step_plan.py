@@ -12,14 +12,14 @@
   that execute the fewest rows (exact over contiguous groupings), which adds their shared prefixes. A duplicated
   tree is then several trees that are never cut (one part each), on the carried tree's replica, and the step is laid
   out again, and that layout is kept if the cost model predicts the step faster than the carry plan
-  (`CostModel.plan_seconds`: whole trees pack less tightly, which can cost a slot). Trees that fit in a microbatch need neither: the layout may still cut one to fill a microbatch, as in
-  carry mode. When no tree is worth carrying the step gets the duplicate plan (whose search packs whole
-  trajectories better than the carry layout; with fewer trajectories than replicas, which it refuses, the carry
-  plan), with each microbatch marked to run as its trie or as its flat expansion, whichever the cost model predicts
-  faster (`planner.microbatch.flat`: the one place auto mode's choices are made; preparation follows the plan).
-  Deciding per tree is sound because what either choice adds is the tree's own work (rows and view rows of
-  its microbatches) and carried context never crosses trees; what couples trees is only how the layout packs them,
-  which the comparison of the whole step's layouts accounts for.
+  (`CostModel.plan_seconds`: whole trees pack less tightly, which can cost a slot). Trees that fit in a microbatch need
+  neither: the layout may still cut one to fill a microbatch, as in carry mode. When no tree is worth carrying the step
+  gets the duplicate plan (whose search packs whole trajectories better than the carry layout; with fewer trajectories
+  than replicas, which it refuses, the carry plan), with each microbatch marked to run as its trie or as its flat
+  expansion, whichever the cost model predicts faster (`planner.microbatch.flat`: the one place auto mode's choices are
+  made; preparation follows the plan). Deciding per tree is sound because what either choice adds is the tree's own work
+  (rows and view rows of its microbatches) and carried context never crosses trees; what couples trees is only how the
+  layout packs them, which the comparison of the whole step's layouts accounts for.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from planner.carry.plan import CarryPlan, SortedStep, plan_carry, plan_units
 from planner.carry.balance import Unit, balance_units
+from planner.carry.plan import CarryPlan, SortedStep, plan_carry, plan_units
 from planner.cost_model import CostModel
 from planner.microbatch.flat import with_flat_choices
 from planner.microbatch.plan import MicrobatchPlan, check_inputs, plan_microbatches

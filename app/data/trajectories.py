@@ -25,9 +25,9 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
+from app.errors import ConfigError
 from app.objectives import PolicyLossConfig
 from planner.jsonl import TrajectoryRecordError, parse_record
 from planner.step_plan import longest_trajectory

@@ -42,10 +42,10 @@ from models.tree.core_calls import core_calls_and_exports
 from models.tree.device_copy import to_device
 from models.tree.layout import TreeLayout, ancestor_rows
 from planner.calls.plan import ExecutionPlan, build_execution_plan
-from planner.index_arrays import offsets
-from planner.pack import CompactBatch
 from planner.calls.schedule import min_call_schedule
 from planner.calls.segment_tree import SegmentTree
+from planner.index_arrays import offsets
+from planner.pack import CompactBatch
 
 __all__ = ["KINDS", "Part", "CarryLinks", "CarryLayout", "carry_layouts"]
 

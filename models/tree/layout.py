@@ -209,8 +209,9 @@ class CoreCalls:
         indices, first = fla_chunk_arrays(cu, chunk_size)
         return CoreCalls(
             calls=[CoreCallTensors.build(c, chunk_size) for c in calls], call_rows=[int(c.gather.size) for c in calls],
-            cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first),
-            chunk_size=chunk_size, table_size=table, chains=RoundChains.build(calls, cu, first),
+            cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
+            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size, table_size=table,
+            chains=RoundChains.build(calls, cu, first),
         )
 
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.index_arrays import inverse_permutation, offsets
-from planner.pack import CompactBatch
 from planner.calls.schedule import CallSchedule, min_call_schedule, no_replay_schedule
 from planner.calls.segment_tree import SegmentTree
+from planner.index_arrays import inverse_permutation, offsets
+from planner.pack import CompactBatch
 
 __all__ = ["ExecutionPlan", "RoundPlan", "plan_calls", "plan_segment_tree", "build_execution_plan"]
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from planner.carry.balance import Unit, balance_units
 from planner.carry.events import part_reads, shared_events
-from planner.carry.slots import layout_replica
 from planner.carry.rows import UnitRows
+from planner.carry.slots import layout_replica
 from planner.lcp_index import lexicographic_lcp
 from planner.microbatch.plan import check_inputs, imbalance, objective, slot_work
 from planner.replica_share import ReplicaShare, check_replica

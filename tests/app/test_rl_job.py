@@ -25,8 +25,8 @@ import app.rl_job
 from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.config_loader import load_config
+from app.errors import ConfigError
 from app.torch_engine import TorchEngine
 from models.hf_io import load_hf
 from models.ops.kernel_cache import TRITON_CACHE_ENV

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.objectives import PolicyLossConfig, policy_loss
 from app.losses import RouterLossConfig, rl_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from app.train_step import optimizer_step
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig

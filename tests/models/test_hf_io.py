@@ -121,7 +121,8 @@ def test_save_hf_shards_and_writes_checkpoint_layout(pair, tmp_path):
     assert len(shard_files) > 1
     # Same tensor names as transformers' own save_pretrained (the on-disk layout vLLM reads), except that
     # transformers names Kimi-Linear's dense-layer MLP `block_sparse_moe.` where the original checkpoints say `mlp.`.
-    theirs = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp.") for k in load_file(hf_path / "model.safetensors")}
+    theirs = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp.")
+              for k in load_file(hf_path / "model.safetensors")}
     assert set(index["weight_map"]) == theirs
     assert dict(models.checkpoint_tensors(ours)).keys() == theirs
     again = models.load_hf(tmp_path)

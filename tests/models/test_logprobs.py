@@ -12,7 +12,11 @@ from hypothesis import given, settings
 
 from models import logprobs
 from models.logprobs import (
-    VocabShards, compact_logprobs, naive_compact_logprobs, sharded_compact_logprobs, whole_chunks,
+    VocabShards,
+    compact_logprobs,
+    naive_compact_logprobs,
+    sharded_compact_logprobs,
+    whole_chunks,
 )
 from planner.pack import pack
 from planner.trajectory import Trajectory

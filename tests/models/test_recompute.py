@@ -20,7 +20,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 import models
 from models import recompute
 from models.recompute import (
-    SAVE_GROUPS, LayerRecompute, SelectiveRecompute, parse_recompute_option, save_ops, without_saved_ops,
+    SAVE_GROUPS,
+    LayerRecompute,
+    SelectiveRecompute,
+    parse_recompute_option,
+    save_ops,
+    without_saved_ops,
 )
 from tests.models.test_decoder import build, cu, ids_for
 
@@ -223,9 +228,9 @@ def test_selective_gives_the_same_gradients(name, option):
     model.keep_upcast_buffers()
     ids, lengths = ids_for((70, 20)), (70, 20)
     results = []
-    for recompute in (False, OPTIONS[option]):
+    for checkpointing in (False, OPTIONS[option]):
         model.zero_grad()
-        model.set_activation_checkpointing(recompute)
+        model.set_activation_checkpointing(checkpointing)
         out = model.flat_forward(ids, cu_seqlens=cu(lengths))
         stats = [s for s in out.moe_stats if s is not None]
         (out.logits.square().mean() + models.load_balancing_loss(sum(stats[1:], stats[0]))).backward()

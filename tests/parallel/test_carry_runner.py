@@ -30,9 +30,9 @@ from models.tree.carry_exchange import LATENT_NAMES, NAMES, CarryExchange
 from parallel import plain_runner
 from parallel.plain_runner import PlainRunner
 from planner.pack import pack
+from tests.models.test_recompute import OPTIONS
 from tests.models.tree.test_carry_microbatch_layout import carry_parts, step_trees
 from tests.models.tree.test_execute import make_model
-from tests.models.test_recompute import OPTIONS
 from tests.reference import reference_token_weights
 
 TOL = 1e-10

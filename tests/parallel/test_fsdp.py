@@ -4,10 +4,10 @@ collective could hang."""
 
 import pytest
 
-from parallel.config import ParallelConfig
-from parallel.launch import init_distributed
 from models.microbatch import prepare_microbatch
 from models.step import Step
+from parallel.config import ParallelConfig
+from parallel.launch import init_distributed
 from parallel.plain_runner import PlainRunner
 from tests.parallel.harness import compare_step, run_ranks, small_config, step_trajectories
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import host_offload
-from parallel.plain_runner import PlainRunner
-from parallel.host_offload import offloaded_forwards, stays
-from tests.models.tree.test_carry_microbatch_layout import step_trees
-from tests.models.tree.test_execute import make_model
 from models.recompute import SelectiveRecompute
+from parallel import host_offload
+from parallel.host_offload import offloaded_forwards, stays
+from parallel.plain_runner import PlainRunner
 from tests.models.test_decoder import build
 from tests.models.test_recompute import OPTIONS, backward_mm_calls
+from tests.models.tree.test_carry_microbatch_layout import step_trees
+from tests.models.tree.test_execute import make_model
 from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
 
 F, B = "forward", "backward"
@@ -38,7 +38,8 @@ def test_which_forwards_are_offloaded(events, resident, expected):
 
 
 class RoundTrip:
-    """CPU stand-ins for the device <-> host copies: every packed tensor is copied (floating ones scaled by 1.5, for the ablation)."""
+    """CPU stand-ins for the device <-> host copies: every packed tensor is copied (floating ones scaled by 1.5, for
+    the ablation)."""
 
     def __init__(self, monkeypatch, corrupt=False):
         self.packed = 0

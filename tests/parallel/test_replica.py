@@ -10,8 +10,8 @@ from models.microbatch import token_weights
 from parallel.replica import prepare_step, step_normalizer
 from planner.carry.plan import CarryMicrobatch, CarryPart, CarryPlan
 from planner.microbatch.plan import plan_microbatches
-from planner.replica_share import forward_backward_events
 from planner.pack import pack
+from planner.replica_share import forward_backward_events
 from tests.parallel.harness import small_config, step_trajectories
 from tests.reference import reference_token_weights
 

@@ -5,8 +5,8 @@ plan for the states after chosen rows. Plans without external roots are unchange
 import numpy as np
 import pytest
 
-from planner.calls.plan import build_execution_plan
 from planner.calls.min_calls import mandatory_replay
+from planner.calls.plan import build_execution_plan
 from planner.calls.schedule import min_call_schedule
 from planner.calls.segment_tree import SegmentTree
 

@@ -9,11 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.workloads import swe_like_step
-from planner.carry.plan import SortedStep
+from planner.calls.plan import plan_calls
 from planner.carry.balance import Unit
+from planner.carry.plan import SortedStep
 from planner.cost_model import CostModel
 from planner.microbatch.flat import leaf_rows
-from planner.calls.plan import plan_calls
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.step_plan import duplicate_groups, longest_trajectory, plan_step

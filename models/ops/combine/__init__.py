@@ -1,8 +1,8 @@
 """MoE combine: `moe_combine` runs the Triton `fused_moe_combine` on CUDA when `fused` (a model's
 `KernelSettings.fused_rowwise`), and `naive_moe_combine` otherwise."""
 
-from models.ops.dispatch import use_fused_rowwise
 from models.ops.combine.naive import naive_moe_combine
+from models.ops.dispatch import use_fused_rowwise
 
 
 def moe_combine(y_MD, slot_Tk, weights_Tk, *, fused=True):

@@ -48,7 +48,11 @@ from models.ops.delta_rule.partition import check_delta_rule_shapes
 from models.ops.kda.call_arrays import CallArrays, ChainArrays
 from models.ops.kda.chunk import check_fla_kda_limits
 from models.ops.kda.recurrence import (
-    bwd_dhu_dispatched, bwd_dhu_kwargs, default_kernels_run, fwd_h_dispatched, fwd_h_kwargs,
+    bwd_dhu_dispatched,
+    bwd_dhu_kwargs,
+    default_kernels_run,
+    fwd_h_dispatched,
+    fwd_h_kwargs,
 )
 from models.recompute import in_recomputed_part
 

@@ -8,7 +8,12 @@ from models.ops.varlen_attention.fa4 import fa4_varlen_backward, fa4_varlen_forw
 from models.ops.varlen_attention.flash import flash_varlen_backward, flash_varlen_forward
 from models.ops.varlen_attention.function import varlen_attention
 from models.ops.varlen_attention.kernels import (
-    ATTENTION_CHOICES, CUDA_ATTENTION, auto_cuda_attention, check_cuda_attention, pads_values, varlen_kernels,
+    ATTENTION_CHOICES,
+    CUDA_ATTENTION,
+    auto_cuda_attention,
+    check_cuda_attention,
+    pads_values,
+    varlen_kernels,
 )
 from models.ops.varlen_attention.naive import naive_varlen_backward, naive_varlen_forward
 

@@ -14,7 +14,7 @@ from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.device_copy import to_device
 from models.tree.layout import CoreCalls
 from tests.models.ops.delta_rule_cases import make_inputs
-from tests.models.ops.kda_calls_cases import B, ROUNDS, layer_calls
+from tests.models.ops.kda_calls_cases import ROUNDS, B, layer_calls
 
 
 def test_fla_chunk_arrays_are_fla_bookkeeping():

@@ -7,7 +7,12 @@ import pytest
 
 from models.ops import kernel_cache
 from models.ops.kernel_cache import (
-    FA4_CACHE_ENV, FA4_CACHE_ON_ENV, FA4_SUBFOLDER, TRITON_CACHE_ENV, cache_entries, use_kernel_cache,
+    FA4_CACHE_ENV,
+    FA4_CACHE_ON_ENV,
+    FA4_SUBFOLDER,
+    TRITON_CACHE_ENV,
+    cache_entries,
+    use_kernel_cache,
 )
 from models.ops.own_env import own_name
 

@@ -9,10 +9,17 @@ import pytest
 import torch
 
 from models.ops.varlen_attention import (
-    auto_cuda_attention, check_cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward,
-    naive_varlen_forward, pads_values, varlen_attention, varlen_kernels,
+    auto_cuda_attention,
+    check_cuda_attention,
+    fa4_varlen_forward,
+    flash_varlen_forward,
+    kernels,
+    naive_varlen_backward,
+    naive_varlen_forward,
+    pads_values,
+    varlen_attention,
+    varlen_kernels,
 )
-from models.ops.varlen_attention import kernels
 from models.ops.varlen_attention.fa4 import fa4_interface, native_values
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.

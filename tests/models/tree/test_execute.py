@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.logprobs import naive_compact_logprobs
@@ -26,7 +27,6 @@ from planner.cost_model import CostModel
 from planner.microbatch.flat import leaf_rows, with_flat_choices
 from planner.microbatch.plan import MicrobatchPlan, PlannedMicrobatch
 from planner.pack import pack
-from bench.branching import nested_fork_trajectories
 from tests.models.test_recompute import OPTIONS
 
 TOL = 1e-10
@@ -36,12 +36,13 @@ def small_config(name: str):
     """The preset's architecture at test size: small widths, small chunks so forks cross many chunk boundaries."""
     c = preset(name)
     if isinstance(c.linear_attention, GDNConfig):
-        lin = dataclasses.replace(c.linear_attention, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=16)
+        lin = dataclasses.replace(c.linear_attention, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                                  chunk_size=16)
         full = dataclasses.replace(c.full_attention, num_heads=4, num_kv_heads=2, head_dim=16)
     else:
         lin = dataclasses.replace(c.linear_attention, num_heads=2, head_dim=8, chunk_size=32)
-        full = dataclasses.replace(c.full_attention, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                   v_head_dim=8)
+        full = dataclasses.replace(c.full_attention, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=8, v_head_dim=8)
     moe = dataclasses.replace(c.moe, num_experts=4, top_k=2, expert_intermediate_size=16,
                               shared_expert_intermediate_size=16)
     return dataclasses.replace(
