@@ -4,8 +4,9 @@
 #   ./run.sh CONFIG.toml ...     run a job; extra arguments are config overrides (--section.key=value)
 #                                ([parallel] degrees whose product N > 1: torchrun with N ranks on this node,
 #                                app/launch.py)
-#   ./run.sh test                the test suite in .venv, then the tests marked `pipeline` (they need torch >= 2.14,
-#                                which .venv's vLLM excludes) in .venv-pipeline; one summary line tells both apart
+#   ./run.sh test                `ruff check .` (stops on a finding), the test suite in .venv, then the tests marked
+#                                `pipeline` (they need torch >= 2.14, which .venv's vLLM excludes) in .venv-pipeline;
+#                                one summary line tells both apart
 #   ./run.sh test ARGS           pytest ARGS in .venv only
 #   ./run.sh test-pipeline [ARGS] pytest ARGS in .venv-pipeline; without ARGS the `pipeline` tests
 # The first call creates .venv with the pinned stack of this machine: the GPU stack (requirements/gpu.txt: CUDA torch,
@@ -80,6 +81,14 @@ pipeline_suite() {
     pipeline_args=(-m "pipeline and not slow" "${files[@]}")
 }
 
+# lint: ruff (pyproject.toml's [tool.ruff]) over the repository; stops the tests on a finding.
+lint() {
+    if ! "$venv/bin/python" -m ruff check .; then
+        echo "[arbor] ruff check failed: fix the findings above (ruff check --fix sorts imports) before the tests run" >&2
+        return 1
+    fi
+}
+
 # Both suites; exits with the main suite's code if it failed, else the pipeline suite's (5, no test selected, is 0).
 test_both() {
     local logs main_rc=0 pipeline_rc=0
@@ -120,6 +129,7 @@ if [[ "${1:-}" == "test" ]]; then
     if [[ $# -gt 0 ]]; then
         exec "$py" -m pytest "$@"
     fi
+    lint || exit 1
     test_both
     exit
 fi

@@ -1,9 +1,10 @@
 """`python -m app CONFIG.toml [--resume] [--print-config] [--section.key=value ...]` (what ./run.sh runs).
 
-Before any work the config is checked (app.config, then app.preflight for RL and offline jobs): a bad setting, or a config or
-TRAJ.jsonl file that cannot be read, prints one `error:` line naming the key or the file and line, and exits with
-code 2 (no traceback); a likely mistake prints a `warning:` line and the job goes on. `--section.key=none` unsets an
-optional setting; paths given here are relative to the current folder, paths in the file to the file's folder.
+Before any work the config is checked (app.config, then app.preflight for RL and offline jobs): a bad setting, or a
+config or TRAJ.jsonl file that cannot be read, prints one `error:` line naming the key or the file and line, and
+exits with code 2 (no traceback); a likely mistake prints a `warning:` line and the job goes on. `--section.key=none`
+unsets an optional setting; paths given here are relative to the current folder, paths in the file to the file's
+folder.
 
 An RL or offline job whose [parallel] degrees need several ranks re-executes itself under torchrun on this node
 (app.launch); each rank then runs this same entry point.
@@ -18,8 +19,8 @@ import sys
 from typing import NoReturn
 
 from app.config import PLAN_JOB_READS, JobConfig
-from app.errors import ConfigError, JobError
 from app.config_loader import load_config, to_toml
+from app.errors import ConfigError, JobError
 from app.launch import launch_size, torchrun_command, under_torchrun
 from planner.jsonl import TrajectoryFileError
 

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.config_loader import PATH
-from app.errors import ConfigError
 from app.data.config import DataConfig
+from app.errors import ConfigError
 from app.objectives import PolicyLossConfig
 from parallel.config import ParallelConfig
 from planner.cost_model import CostModel
+from planner.step_plan import longest_trajectory
 from rollout.config import RolloutConfig
 
 __all__ = ["JobConfig", "ConfigError"]
@@ -223,31 +224,32 @@ class TrainConfig:
     """Aux-loss-free balancing step of models with expert biases (Kimi-Linear); 0 = off."""
     attention_backend: Literal["dense", "flex", "branch"] = "dense"
     """Tree full-attention backend (models/tree/attention.py): "dense" is the O(C^2)-memory reference for CPUs;
-    "branch" (HARTS's packed Q/KV views, flash kernel in bf16) on GPUs; "flex" (FlexAttention, O(C) mask) measured
-    2.4x slower than "branch" on an H200 (bench/RESULTS.md)."""
+    "branch" (HARTS's packed Q/KV views, flash kernel in bf16) on GPUs; "flex" (FlexAttention, O(C) mask), slower
+    than "branch" (measurements: bench/RESULTS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Trainer device; "auto" = cuda when available."""
     threads: int | None = None
     """torch intra-op threads of the trainer (unset = torch's default)."""
     kernel_cache: str | None = field(default=None, metadata=PATH)
     """GPU jobs: the folder Triton keeps compiled kernels and fla's autotuning results in (TRITON_CACHE_DIR,
-    models/ops/kernel_cache.py), reused by later runs: the first step of a run on an empty folder compiles and
-    autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside `checkpoint.dir`
-    (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore it."""
+    models/ops/kernel_cache.py; `KernelSettings.kernel_cache`), reused by later runs: the first step of a run on an
+    empty folder compiles and autotunes for minutes. Unset = your TRITON_CACHE_DIR if set, else `kernel-cache` beside
+    `checkpoint.dir` (e.g. outputs/gpu-1/kernel-cache); a value set here wins over TRITON_CACHE_DIR. CPU jobs ignore
+    it."""
     fused_rowwise: bool = True
     """GPU jobs: run RMSNorm (+ residual), the q/k L2 norm, SwiGLU, the sigmoid gates, KDA's decay gate, the MoE
-    combine and the log-probabilities' vocabulary passes on fused Triton kernels (models/ops, `set_fused_rowwise`);
-    false = their plain-torch references. On by default: every
-    CUDA test of them passes on the H200, the bf16 tree's layer outputs stay bitwise equal to flat, and they make a
-    step faster and lighter (measurements: models/ops/README.md). CPU jobs ignore it."""
+    combine and the log-probabilities' vocabulary passes on fused Triton kernels (models/ops, the policy's
+    `KernelSettings.fused_rowwise`); false = their plain-torch references. On by default: their CUDA tests check them
+    against the references, the bf16 tree's layer outputs stay bitwise equal to flat, and they make a step faster and
+    lighter (measurements: bench/RESULTS.md). CPU jobs ignore it."""
     attention_kernels: Literal["auto", "flash", "fa4"] = "auto"
     """GPU jobs: the packed causal attention kernels of flat and tree execution alike (models/ops/varlen_attention,
-    `use_cuda_attention`): "flash" = torch's FlashAttention-2; "fa4" = FlashAttention-4 (needs the flash-attn-4
-    package and a Hopper or newer GPU; on an H200 2.2x faster than flash on a SWE step's attention, forward and
-    backward, and that step took 16-17% less time in both modes, with bf16 tree log-probs bitwise equal to flat:
-    bench/RESULTS.md); "auto" = fa4 where it can run (flash-attn-4 importable, a Hopper GPU) and the model's attention
-    head dims are among those it was tested with (`models.ops.varlen_attention.FA4_TESTED_SHAPES`), else flash; the
-    job prints which, and why. CPU jobs ignore it."""
+    the policy's `KernelSettings.attention`): "flash" = torch's FlashAttention-2; "fa4" = FlashAttention-4 (needs
+    the flash-attn-4 package and a Hopper or newer GPU; faster than flash on a SWE step, with bf16 tree log-probs
+    bitwise equal to flat: bench/RESULTS.md); "auto" = fa4 where it can run (flash-attn-4 importable, a Hopper GPU)
+    and the model's attention head dims are among those it was tested with
+    (`models.ops.varlen_attention.FA4_TESTED_SHAPES`), else flash; the job prints which, and why. CPU jobs ignore
+    it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "sft_steps", "warmup_steps", "max_skipped_steps"):
@@ -353,7 +355,7 @@ class JobConfig:
         self._check_offline()
         if self.job.kind != "plan":
             self._check_plan_mode()
-        if self.job.kind == "rl" and self.plan_mode == "duplicate":
+        if self.job.kind == "rl":
             self._check_capacity()
 
     def _check_offline(self) -> None:
@@ -398,11 +400,13 @@ class JobConfig:
             )
 
     def _check_capacity(self) -> None:
-        """In duplicate mode every path of a rollout tree must fit one microbatch: the engine stops a path at
-        `max_model_len` tokens, and the environment may append one observation of up to `max_env_tokens` after it."""
+        """Every path of a rollout tree must be one the plan mode takes (`planner.step_plan.longest_trajectory`: in
+        duplicate mode one that fits a microbatch): the engine stops a path at `max_model_len` tokens, and the
+        environment may append one observation of up to `max_env_tokens` after it."""
         r = self.rollout
         longest = r.max_model_len + r.max_env_tokens
-        if self.planner.capacity < longest:
+        limit = longest_trajectory(self.plan_mode, self.planner.capacity)
+        if limit is not None and limit < longest:
             raise ConfigError(
                 f"`planner.capacity` = {self.planner.capacity} is shorter than the longest possible path: "
                 f"rollout.max_model_len ({r.max_model_len}) + rollout.max_env_tokens ({r.max_env_tokens}) = {longest} "

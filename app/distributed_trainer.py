@@ -1,13 +1,13 @@
-"""The policy trained by every rank of a torchrun launch (see README "Distributed training").
+"""The policy trained by every rank of a torchrun launch (see docs/distributed.md).
 
 Rank 0 is the main rank: it gathers the trees every rank's engine built (app.rl_job), computes advantages and plans
 the step's microbatches with the job's DP degree D; `share` broadcasts that result (or the error it raised) to every
 rank.
-Every rank then trains its DP replica's microbatches (`parallel.replica.prepare_replica`) with its step runner:
-`parallel.carry_runner.CarryRunner` (prefix-carry steps, and plain microbatch lists as `PlainRunner`) on the model wrapped by `parallel.parallelize_for_job` (TP / EP, activation
-checkpointing, compile, FSDP2), or with `parallel.pp` > 1 (torch >= 2.14) `parallel.pipeline_runner.PipelineRunner`
-on its pipeline stages, `parallel.pipeline.pipeline_for_job` (every pp rank of a replica holds the replica's
-microbatches).
+Every rank then trains its DP replica's step (`parallel.replica.prepare_step`) with its step runner:
+`parallel.plain_runner.PlainRunner` (steps of every planner mode) on the model wrapped by
+`parallel.parallelize_for_job` (TP / EP, activation checkpointing, compile, FSDP2), or with `parallel.pp` > 1 (torch
+>= 2.14) `parallel.pipeline_runner.PipelineRunner` on its pipeline stages, `parallel.pipeline.pipeline_for_job`
+(every pp rank of a replica holds the replica's step).
 
 - Optimizer: torchtitan's `OptimizersContainer` (AdamW; FQN-keyed state that DCP can reshard).
 - Weights for the rollout engines: app.weight_sync streams them from the shards into every rank's engine, one
@@ -36,7 +36,7 @@ from parallel.checkpoint import build_optimizers
 from parallel.launch import DistributedJob, parallelize_for_job
 from parallel.pipeline import pipeline_for_job
 from parallel.pipeline_runner import PipelineRunner
-from parallel.carry_runner import CarryRunner
+from parallel.plain_runner import PlainRunner
 from parallel.runner import StepRunner
 
 __all__ = ["DistributedTrainer"]
@@ -55,10 +55,12 @@ class DistributedTrainer(Trainer):
         self.dp_rank = job.dp_rank
         self.dp_group = job.meshes.dp.get_group()
         self.model_config = model.config
-        wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if job.config.pp > 1
-                                    else (parallelize_for_job, CarryRunner))
-        self.attention_backend = c.train.attention_backend
-        self.carry_resident = c.planner.carry_resident
+        pipelined = job.config.pp > 1
+        wrap, self._runner_class = ((pipeline_for_job, PipelineRunner) if pipelined
+                                    else (parallelize_for_job, PlainRunner))
+        # Open carry microbatches kept on the device: only PlainRunner runs carry steps.
+        self._runner_options = {"attention_backend": c.train.attention_backend,
+                                **({} if pipelined else {"resident": c.planner.carry_resident})}
         # The KL reference is wrapped now, like the policy; it is the policy's copy once RL begins (freeze_reference).
         self._reference = frozen(wrap(copy.deepcopy(model), job)) if c.reference_policy else None
         self._reference_frozen = False
@@ -78,8 +80,7 @@ class DistributedTrainer(Trainer):
             dist.destroy_process_group()
 
     def _runner_for(self, model: nn.Module) -> StepRunner:
-        carry = {"resident": self.carry_resident} if self._runner_class is CarryRunner else {}
-        return self._runner_class(model, dp_group=self.dp_group, attention_backend=self.attention_backend, **carry)
+        return self._runner_class(model, dp_group=self.dp_group, **self._runner_options)
 
     @property
     def reference(self) -> nn.Module | None:

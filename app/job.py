@@ -11,7 +11,7 @@ A job subclasses `Job` and gives:
 
 and uses what `Job` holds: `config`, `trainer` (app.trainer.Trainer: one process or every rank of a torchrun launch),
 `tokenizer`, `environment`, `data`, `done`, `console`, `main`, and the step machinery: `_planned` (the step's
-microbatch plan for the D replicas), `_prepare` (this replica's microbatches), `_update` (forward, backward and an
+microbatch plan for the D replicas), `_prepare` (this replica's step), `_update` (forward, backward and an
 optimizer step, skipped on a non-finite loss or norm), `_policy_updates` (the `[rl]` objective's epochs), `_lr`,
 `_end_step` (metrics, console line, checkpoint when due, stop signals). The hooks get what they need as arguments and
 read nothing built after them, so their order in `__init__` is the only one.
@@ -28,7 +28,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,22 +42,22 @@ from app.errors import CheckpointWriteError, ConfigError, JobError, TooManySkipp
 from app.export import export_policy
 from app.first_step import FirstStepWatch
 from app.launch import check_multi_rank, launch_size, under_torchrun
-from app.metrics import MetricsLog, new_run_name
 from app.losses import RouterLossConfig, rl_loss
+from app.metrics import MetricsLog, new_run_name
 from app.policy import build_policy, resolve_device
 from app.progress import JobProgress
 from app.stop_signal import StepAbandoned, StopSignal
 from app.train_step import optimizer_step
 from app.trainer import LocalTrainer
-from models.carry_microbatch import CarryStep
 from models.config import ModelConfig
 from models.decoder import HybridForCausalLM
-from models.microbatch import Microbatch
-from models.ops.dispatch import set_fused_rowwise
-from models.ops.kernel_cache import KernelCache, use_kernel_cache
-from models.ops.varlen_attention import auto_cuda_attention, use_cuda_attention
+from models.ops.kernel_cache import KernelCache
+from models.ops.kernel_environment import use_kernel_environment
+from models.ops.settings import KernelSettings
+from models.ops.varlen_attention import auto_cuda_attention, check_cuda_attention
+from models.step import Step
 from parallel.metrics import global_expert_counts, reduce_step
-from parallel.replica import prepare_planned
+from parallel.replica import prepare_step
 from parallel.runner import StepMetrics
 from planner.carry.plan import CarryPlan
 from planner.microbatch.plan import MicrobatchPlan
@@ -98,31 +98,42 @@ class Update:
     """Per layer, the step's expert loads summed over replicas (None for dense layers); empty when skipped."""
 
 
-def _kernel_cache(config: JobConfig) -> KernelCache | None:
-    """On a GPU: point Triton's cache (TRITON_CACHE_DIR) at `train.kernel_cache` before any kernel compiles, in every
-    rank (vLLM's processes inherit it); None on a CPU, where nothing compiles through Triton."""
+def _kernel_settings(config: JobConfig) -> KernelSettings:
+    """The policy's kernels as `[train]` chooses them (`train.fused_rowwise`, `train.kernel_cache`); the attention
+    pair follows once the policy's attention shapes are known (`_attention_kernels`)."""
+    folder = config.train.kernel_cache
+    return KernelSettings(fused_rowwise=config.train.fused_rowwise,
+                          kernel_cache=None if folder is None else Path(folder))
+
+
+def _kernel_cache(config: JobConfig, kernels: KernelSettings) -> KernelCache | None:
+    """On a GPU: set the kernels' environment from `kernels` before any kernel compiles and before fla is imported
+    (`models.ops.kernel_environment`: Triton's cache at `train.kernel_cache`, in every rank, and vLLM's processes
+    inherit it); None on a CPU, where nothing compiles through Triton."""
     if resolve_device(config.train.device).type != "cuda":
         return None
     default = Path(config.checkpoint.dir).parent / "kernel-cache"
     try:
-        return use_kernel_cache(config.train.kernel_cache, default, "train.kernel_cache")
+        return use_kernel_environment(kernels, default, "train.kernel_cache")
     except OSError as e:
         raise ConfigError(f"`train.kernel_cache`: cannot create the kernel cache folder: {e}") from None
 
 
-def _use_attention_kernels(config: JobConfig, model: ModelConfig) -> str | None:
-    """On a GPU: run `train.attention_kernels` in every rank (for "auto", the pair it means for `model`'s attention)
-    and return the line that says which pair runs (and, for "auto", why); a ConfigError when the chosen pair cannot
-    run. None on a CPU."""
+def _attention_kernels(config: JobConfig, model: ModelConfig,
+                       kernels: KernelSettings) -> tuple[KernelSettings, str | None]:
+    """On a GPU: `kernels` with the pair of `train.attention_kernels` (for "auto", the pair it means for `model`'s
+    attention) and the line that says which pair runs (and, for "auto", why); a ConfigError when the chosen pair
+    cannot run. On a CPU, where attention runs the reference, `kernels` unchanged and None."""
     if resolve_device(config.train.device).type != "cuda":
-        return None
+        return kernels, None
     choice = config.train.attention_kernels
     pair, why = auto_cuda_attention(model.attention_shapes) if choice == "auto" else (choice, "")
     try:
-        use_cuda_attention(pair)
+        check_cuda_attention(pair)
     except RuntimeError as e:
         raise ConfigError(f"`train.attention_kernels` = \"{choice}\": {e}") from None
-    return f"attention kernels: {pair}" + (f' (train.attention_kernels = "auto": {why})' if why else "")
+    line = f"attention kernels: {pair}" + (f' (train.attention_kernels = "auto": {why})' if why else "")
+    return replace(kernels, attention=pair), line
 
 
 def _build_trainer(config: JobConfig, model: HybridForCausalLM):
@@ -146,7 +157,7 @@ def _build_trainer(config: JobConfig, model: HybridForCausalLM):
     if launch_size(config) > 1:
         raise ConfigError(
             f"the [parallel] degrees need {launch_size(config)} ranks but this process runs alone: start the job "
-            "with ./run.sh (it launches torchrun on this node) or torchrun per node (README 'Distributed training')"
+            "with ./run.sh (it launches torchrun on this node) or torchrun per node (docs/distributed.md)"
         )
     return LocalTrainer(config, model, resolve_device(config.train.device))
 
@@ -167,10 +178,11 @@ class Job:
         c = config
         if c.train.threads is not None:
             torch.set_num_threads(c.train.threads)
-        kernel_cache = _kernel_cache(c)
-        set_fused_rowwise(c.train.fused_rowwise)
+        kernels = _kernel_settings(c)
+        kernel_cache = _kernel_cache(c, kernels)
         model, self.tokenizer = build_policy(c.model, c.train.seed)
-        attention_kernels = _use_attention_kernels(c, model.config)
+        kernels, attention_kernels = _attention_kernels(c, model.config, kernels)
+        model.use_kernels(kernels)
         self.environment = self.make_environment(self.tokenizer)
         self.trainer = _build_trainer(c, model)
         self.trainer.own(c.checkpoint.export_dir, "checkpoint.export_dir")
@@ -260,21 +272,18 @@ class Job:
         plan = plan_step(trajectories, planner.capacity, self.trainer.dp, self.config.plan_mode, cost=planner.cost)
         return SharedBatch(trajectories, plan, time.perf_counter() - start, scalars or {})
 
-    def _prepare(self, shared: SharedBatch, aggregation) -> list[Microbatch] | CarryStep:
-        """This replica's microbatches of the step (carry microbatches and their events under a CarryPlan), with
-        their loss inputs; in "auto" mode a HARTS plan's microbatch that shares too little runs flat (the cost
-        model's choice)."""
+    def _prepare(self, shared: SharedBatch, aggregation) -> Step:
+        """This replica's step of the plan, with its loss inputs: each microbatch as the plan says (its trie, its
+        flat expansion, or a carry microbatch with its links)."""
         t = self.trainer
-        cost = self.config.planner.cost if self.config.plan_mode == "auto" else None
-        return prepare_planned(shared.trajectories, shared.step_plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
-                               model_config=t.model.config, aggregation=aggregation, device=t.device, cost=cost)
+        return prepare_step(shared.trajectories, shared.step_plan, dp_rank=t.dp_rank, dp_group=t.dp_group,
+                            model_config=t.model.config, aggregation=aggregation, device=t.device)
 
-    def _update(self, microbatches: list[Microbatch] | CarryStep, loss_fn, lr: float, temperature: float,
-                label: str) -> Update:
+    def _update(self, step: Step, loss_fn, lr: float, temperature: float, label: str) -> Update:
         """One forward/backward over the step and an optimizer step; a non-finite loss or norm skips it."""
         t = self.trainer
         t.set_lr(lr)
-        metrics = t.runner.train_step(microbatches, loss_fn, temperature=temperature, entropy=True)
+        metrics = t.runner.train_step(step, loss_fn, temperature=temperature, entropy=True)
         update = Update(metrics, reduce_step(metrics, t.dp_group, t.device), lr)
         if not math.isfinite(update.step["loss"]):
             t.optimizer.zero_grad(set_to_none=True)

@@ -36,7 +36,9 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ValueError(f"`clip_low` must lie in [0, 1) and `clip_high` >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ValueError(
+                f"`clip_low` must lie in [0, 1) and `clip_high` >= 0, got {self.clip_low}, {self.clip_high}"
+            )
         if self.kl_coef < 0:
             raise ValueError(f"`kl_coef` must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and self.tis_cap <= 0:
@@ -84,7 +86,8 @@ def policy_loss(
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     is_weight = torch.ones_like(logprobs_S)
     if config.tis_cap is not None and rollout_logprobs_S is not None:
-        is_weight = torch.exp(old_logprobs_S.detach() - rollout_logprobs_S.to(logprobs_S.dtype)).clamp(max=config.tis_cap)
+        log_ratio_S = old_logprobs_S.detach() - rollout_logprobs_S.to(logprobs_S.dtype)
+        is_weight = torch.exp(log_ratio_S).clamp(max=config.tis_cap)
     policy = -(w * is_weight * surrogate).sum()
     kl = torch.zeros((), dtype=logprobs_S.dtype, device=logprobs_S.device)
     if config.kl_coef > 0:

@@ -32,14 +32,15 @@ import numpy as np
 from rich.console import Console
 
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.data import RecordFeed, build_trajectory_feed, path_limits
-from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
+from app.errors import ConfigError
+from app.job import Job, SharedBatch
 from app.losses import sft_loss
+from app.metrics import offline_line, plan_scalars, sft_scalars, train_scalars
 from app.progress import JobProgress
 from models.config import ModelConfig
-from app.job import Job, SharedBatch
 from planner.microbatch.plan import check_inputs
+from planner.step_plan import longest_trajectory
 from planner.trajectory import Trajectory
 
 __all__ = ["run_offline", "OfflineProgress"]
@@ -99,7 +100,8 @@ class OfflineJob(Job):
         trees = self.data.next_batch(self._per_step(), step + 1)
         trajectories = [t for tree in trees for t in tree]
         try:  # paths longer than a microbatch were refused as bad records (app.data.trajectories.path_limits)
-            check_inputs(trajectories, c.planner.capacity, self.trainer.dp, split_paths=c.plan_mode != "duplicate")
+            split = longest_trajectory(c.plan_mode, c.planner.capacity) is None
+            check_inputs(trajectories, c.planner.capacity, self.trainer.dp, split_paths=split)
         except ValueError as e:
             raise ConfigError(f"planner.mode = {c.plan_mode!r}, the records of step {step + 1}: {e}") from None
         return self._planned(trajectories, record_scalars(trees, self.data.stream.state_dict()))

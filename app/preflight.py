@@ -43,15 +43,15 @@ from pathlib import Path
 import torch
 
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.data import build_task_feed
 from app.environments import bind_tokenizer, make_environment
+from app.errors import ConfigError
 from app.launch import launch_size, under_torchrun
 from app.policy import architecture, build_tokenizer, resolve_device
-from models.config import GDNConfig
-from models.config import ModelConfig
+from models.config import GDNConfig, ModelConfig
 from models.decoder import HybridForCausalLM
 from models.ops.fla_limits import gdn_backward_limit
+from planner.step_plan import longest_trajectory
 from rollout import EnvironmentOutputError, RolloutTree, demonstration_tree
 from rollout.envs import Environment
 from rollout.validation import env_tokens
@@ -294,7 +294,8 @@ def check_episodes(config: JobConfig, env: Environment, tokenizer) -> list[str]:
             f"least {observation}"
         )
     longest = max(len(t) for tree in trees for t in tree.trajectories())
-    if c.train.sft_steps > 0 and c.plan_mode == "duplicate" and longest > c.planner.capacity:
+    limit = longest_trajectory(c.plan_mode, c.planner.capacity)
+    if c.train.sft_steps > 0 and limit is not None and longest > limit:
         raise ConfigError(
             f"`planner.capacity` = {c.planner.capacity} is shorter than an SFT demonstration of environment "
             f"{env.name!r} ({longest} tokens); raise it to at least {longest}"
@@ -330,7 +331,8 @@ def check_outputs(config: JobConfig, arch: ModelConfig, share: float = 1.0) -> N
     """The output folders are writable and their disks hold the next checkpoint (`share` of it on this node) and the
     export of `arch`."""
     c = config.checkpoint
-    folders = {"checkpoint.dir": c.dir, "checkpoint.export_dir": c.export_dir, "metrics.log_dir": config.metrics.log_dir}
+    folders = {"checkpoint.dir": c.dir, "checkpoint.export_dir": c.export_dir,
+               "metrics.log_dir": config.metrics.log_dir}
     folders = {key: Path(folder) for key, folder in folders.items() if folder is not None}
     for key, folder in folders.items():
         _folder_path(key, folder)

@@ -44,9 +44,18 @@ from app.engines import build_engine, ranks_per_engine
 from app.environments import bind_tokenizer, make_environment
 from app.errors import EngineFailure, InvalidEnvironmentOutput
 from app.job import Job, SharedBatch
-from app.metrics import (engine_scalars, plan_scalars, reward_summary, rl_line, rollout_scalars, sft_line, sft_scalars,
-                         sync_scalars, train_scalars)
 from app.losses import sft_loss
+from app.metrics import (
+    engine_scalars,
+    plan_scalars,
+    reward_summary,
+    rl_line,
+    rollout_scalars,
+    sft_line,
+    sft_scalars,
+    sync_scalars,
+    train_scalars,
+)
 from app.progress import CountingEngine, JobProgress
 from app.rollout_shards import engine_shard, rollout_seed, task_range
 from app.tree_picture import render_tree

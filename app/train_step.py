@@ -1,6 +1,6 @@
 """The optimizer step of the app: clip the global gradient norm through the step runner, then step.
 
-The step's microbatches are prepared by `parallel.replica.prepare_replica` and run by the trainer's
+The step is prepared by `parallel.replica.prepare_step` and run by the trainer's
 `parallel.runner.StepRunner`; this is what the job does between a step's backward and the next one.
 """
 

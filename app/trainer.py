@@ -36,7 +36,7 @@ from app.config import JobConfig
 from app.folder_lock import FolderLock
 from models.decoder import HybridForCausalLM
 from parallel.checkpoint import TrainingState
-from parallel.carry_runner import CarryRunner
+from parallel.plain_runner import PlainRunner
 from parallel.ranks import share
 from parallel.runner import StepRunner
 
@@ -187,8 +187,8 @@ class LocalTrainer(Trainer):
         self.carry_resident = c.planner.carry_resident
         self.runner = self._runner_for(self.model)
 
-    def _runner_for(self, model: nn.Module) -> CarryRunner:
-        return CarryRunner(model, attention_backend=self.attention_backend, resident=self.carry_resident)
+    def _runner_for(self, model: nn.Module) -> PlainRunner:
+        return PlainRunner(model, attention_backend=self.attention_backend, resident=self.carry_resident)
 
     def policy(self) -> HybridForCausalLM:
         return self.model

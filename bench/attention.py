@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.microbatch import prepare_microbatch
-from models.ops.varlen_attention import use_cuda_attention, varlen_attention
+from models.ops.varlen_attention import check_cuda_attention, varlen_attention
 from models.ops.varlen_attention.fa4 import native_values
 from models.presets import preset
 from models.tree.attention import TreeAttentionLayout, tree_attention
@@ -70,8 +70,9 @@ class Case:
     name: str
     queries: int
     key_rows: int
-    kernels: Attention
-    """Training's attention over this case (flat: `varlen_attention`; tree: `branch_attention`)."""
+    kernels: Callable[[str], Attention]
+    """Training's attention over this case with a CUDA kernel pair (flat: `varlen_attention`; tree:
+    `branch_attention`)."""
     reference: Attention
     """Float32 reference on the case's structure."""
     flex_layout: TreeAttentionLayout
@@ -111,12 +112,12 @@ def flat_case(lengths: list[int], device) -> Case:
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
     m = max(lengths)
 
-    def kernels(q, k, v):
-        return varlen_attention(q, k, v, cu, cu, m, m, q.shape[-1] ** -0.5)
+    def kernels(pair: str) -> Attention:
+        return lambda q, k, v: varlen_attention(q, k, v, cu, cu, m, m, q.shape[-1] ** -0.5, pair)
 
     # In float32 `varlen_attention` runs the reference kernels (models.ops.varlen_attention.naive).
-    return Case("flat", sum(lengths), sum(lengths), kernels=kernels, reference=kernels, flex_layout=chain_layout(cu),
-                cu=cu, max_len=m)
+    return Case("flat", sum(lengths), sum(lengths), kernels=kernels, reference=kernels("flash"),
+                flex_layout=chain_layout(cu), cu=cu, max_len=m)
 
 
 def tree_case(trajectories, model: str, device) -> Case:
@@ -124,7 +125,8 @@ def tree_case(trajectories, model: str, device) -> Case:
     layout = mb.layout.attention
     return Case(
         "tree", mb.num_compact, int(layout.kv_index.numel()),
-        kernels=lambda q, k, v: branch_attention(q, k, v, layout.kv_index, layout.groups, q.shape[-1] ** -0.5),
+        kernels=lambda pair: lambda q, k, v: branch_attention(q, k, v, layout.kv_index, layout.groups,
+                                                             q.shape[-1] ** -0.5, pair),
         reference=lambda q, k, v: tree_attention(q, k, v, layout, q.shape[-1] ** -0.5, "dense"),
         flex_layout=layout,
     )
@@ -156,21 +158,6 @@ def _varlen_attn(case: Case) -> Attention:
     return run
 
 
-def with_cuda_attention(pair: str, fn: Attention) -> Attention:
-    """`fn` run with CUDA kernel pair `pair` (`use_cuda_attention`); the autograd Functions keep the backward kernel
-    of their forward, so the backward runs the same pair."""
-    use_cuda_attention(use_cuda_attention(pair))  # raises here, with the reason, if the pair cannot run
-
-    def run(q, k, v):
-        previous = use_cuda_attention(pair)
-        try:
-            return fn(q, k, v)
-        finally:
-            use_cuda_attention(previous)
-
-    return run
-
-
 def backend_attention(name: str, case: Case, device) -> Attention:
     """`name`'s attention over `case`; raises RuntimeError with the reason when it cannot run it here."""
     if name == "flex":
@@ -183,9 +170,8 @@ def backend_attention(name: str, case: Case, device) -> Attention:
         if case.cu is None:
             raise RuntimeError("the branch views run torch's varlen kernels through flash (same kernels as flash)")
         return _varlen_attn(case)
-    if name == "fa4":
-        return with_cuda_attention("fa4", case.kernels)
-    return with_cuda_attention("flash", case.kernels)
+    check_cuda_attention(name)  # raises here, with the reason, if the pair cannot run
+    return case.kernels(name)
 
 
 def _inputs(case: Case, shapes: Shapes, dtype, device, seed: int = 0):

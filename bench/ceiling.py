@@ -1,4 +1,5 @@
-"""The exact-execution ceiling of tree execution (issue 20 item 6; the analysis of bench/RESULTS.md session 4).
+"""The exact-execution ceiling of tree execution (the analysis: docs/history.md, "tree vs trajectory-wise speed and bf16
+fidelity at microbatch scale").
 
 A tree microbatch's kernels against an ideal: the flat microbatch's kernel cost per row for everything but full
 attention, and per causal query-key pair for flash attention (a tree's pairs shrink less than its rows). The ideal is
@@ -53,7 +54,7 @@ def ideal(flat: KernelWork, tree: KernelWork) -> Ideal:
 
 
 #: Device-side records of a profile that are no device work: CUPTI records the host waiting on a full launch queue as
-#: "Command Buffer Full" (0.28 s of a 9.96 s carry step on the H200: the GPU was busy, not working more).
+#: "Command Buffer Full" (time the GPU was busy, not more work).
 NOT_DEVICE_WORK = frozenset({"Command Buffer Full"})
 
 

@@ -13,9 +13,9 @@ full-vocabulary logit cosine (HARTS eq. 27), and per state-handoff depth the mea
 (eqs. 24-26). With `--oracle`, the same metrics of (1), (2) and (4) against the same weights run flat in float64
 (the question behind them: is tree execution less accurate than trajectory-wise execution?).
 
-`--mode carry --capacity T` adds (5) prefix carry (issue #17): `planner.carry.plan.plan_carry` cuts the trees into parts
-over microbatches of at most T compact rows (one replica), `parallel.replica.prepare_carry_replica` prepares them
-and `parallel.carry_runner.CarryRunner` runs them in the plan's event order; the top-level metrics are then carry's
+`--mode carry --capacity T` adds (5) prefix carry: `planner.carry.plan.plan_carry` cuts the trees into parts
+over microbatches of at most T compact rows (one replica), `parallel.replica.prepare_step` prepares them and
+`parallel.plain_runner.PlainRunner` runs them in the plan's event order; the top-level metrics are then carry's
 (Arbor's single microbatch stays as the column "arbor"), with the same loss: the MoE aux loss of the whole step's
 pooled router statistics, split into per-microbatch terms that are linear in each microbatch's statistics given the
 step's expert counts and row weights (taken from a first carry pass, not timed), so loss and gradients are those of
@@ -36,7 +36,7 @@ import torch
 
 from bench.branching import nested_fork_trajectories
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, kernel_choice
 from bench.speed import recompute_option
 from models.decoder import HybridForCausalLM
 from models.dtypes import DTYPES, upcast
@@ -44,11 +44,12 @@ from models.hf_io import load_hf
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
+from models.ops.settings import KernelSettings
 from models.presets import preset
 from models.recompute import parse_recompute_option
-from models.tree.execute import tree_hidden_states
-from parallel.carry_runner import CarryRunner
-from parallel.replica import prepare_carry_replica
+from models.tree.mixers import TreeContext
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_step
 from planner.carry.plan import CarryPlan, plan_carry
 from planner.jsonl import read_jsonl
 from planner.pack import CompactBatch, pack
@@ -133,7 +134,8 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
     prev = torch.arange(S, device=device) - 1
     prev = torch.where(valid, prev, torch.zeros_like(prev))
     logits = semantic_logits_fn(out.hidden, prev, model.lm_head_weight)
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, torch.where(valid, prev, -1), ids).double()
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, torch.where(valid, prev, -1), ids,
+                          fused=model.kernels.fused_rowwise).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True) if grads else None
@@ -144,12 +146,13 @@ def flat_run(model, batch: CompactBatch, device, reverse: bool = False, grads: b
 def tree_run(model, trajectories, device, replay: bool, backend: str) -> tuple[Run, Microbatch]:
     start = time.perf_counter()
     mb = prepare_microbatch(trajectories, model.config, device, replay=replay)
-    batch, layout = mb.batch, mb.layout
-    out = tree_hidden_states(model, layout, backend)
+    batch, layout = mb.batches[0], mb.layout
+    out = model.tree_hidden_states(TreeContext(layout, backend))
     valid = layout.logit_row >= 0
     rows = torch.where(valid, layout.logit_row, torch.zeros_like(layout.logit_row))
     logits = semantic_logits_fn(out.hidden, rows, model.lm_head_weight)
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target).double()
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target,
+                          fused=model.kernels.fused_rowwise).double()
     aux = moe_aux(out.moe_stats)
     loss = objective(lp, aux, batch, device)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
@@ -158,9 +161,11 @@ def tree_run(model, trajectories, device, replay: bool, backend: str) -> tuple[R
 
 
 def carry_positions(batch: CompactBatch, plan: CarryPlan, step) -> list[np.ndarray]:
-    """Per carry microbatch, the positions of `batch` (the whole step packed) that its log-probs `[S_mb]` score."""
+    """Per carry microbatch of replica 0's `step`, the positions of `batch` (the whole step packed) that its log-probs
+    `[S_mb]` score."""
     offsets = batch.traj_offsets
-    tree_map = [np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in tree]) for tree in plan.trees]
+    tree_map = [np.concatenate([np.arange(offsets[j], offsets[j + 1]) for j in tree])
+                for tree in plan.replica(0).units]
     return [np.concatenate([tree_map[p.tree][s] for p, s in zip(mb.parts, mb.scored)]) for mb in step]
 
 
@@ -170,14 +175,14 @@ def carry_run(model, trajectories, batch: CompactBatch, capacity: int, device, b
     policy term of each microbatch's positions plus 0.01 x its share of the step's aux loss, `E sum_e count_e
     mass_e / tokens^2 + z_sum / tokens` with the step's counts and tokens (a first pass) and its own mass and z_sum."""
     plan = plan_carry(trajectories, capacity, 1)
-    runner = CarryRunner(model, attention_backend=backend)
+    runner = PlainRunner(model, attention_backend=backend)
     normalizer = float(np.sum(batch.loss_mask))
     adv = torch.as_tensor(batch.advantage, dtype=torch.float64, device=device)
     mask = torch.as_tensor(batch.loss_mask, dtype=torch.float64, device=device)
 
     def prepare():
-        step = prepare_carry_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
-                                     aggregation="token-mean", device=device)
+        step = prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                            aggregation="token-mean", device=device)
         index = {id(mb): torch.as_tensor(i, device=device) for mb, i in zip(step, carry_positions(batch, plan, step))}
         return step, index
 
@@ -233,7 +238,7 @@ def float64_run(model, batch: CompactBatch, device) -> Run:
     """The flat reference with the same weights in float64 (reference kernels), forward only: a float64 copy of a
     large model and its gradients would not fit next to the low-precision runs (ling-3-tiny: 7.8B parameters)."""
     with torch.device(device):
-        oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64"))
+        oracle = HybridForCausalLM(dataclasses.replace(model.config, dtype="float64"), model.kernels)
     oracle.load_state_dict(model.state_dict())
     return flat_run(oracle, batch, device, grads=False)
 
@@ -255,13 +260,14 @@ def per_layer_divergence(model, mb: Microbatch, backend: str, device) -> list[di
     """Per decoder layer, the fraction of semantic positions whose layer output is not bitwise equal to the flat
     reference's, by the position's handoff depth: for Arbor and for the reference packed in reverse order. Locates
     where (layer, depth) a low-precision tree run first departs from the reference, and how it spreads."""
-    batch, plan = mb.batch, mb.call_plan
+    batch, plan = mb.batches[0], mb.call_plan
     ids, pos, cu, _ = packed_inputs(batch, device)
     flat = layer_outputs(model, lambda: model.hidden_states(ids, pos, cu))
     ids_r, pos_r, cu_r, unpack = packed_inputs(batch, device, reverse=True)
     repacked = [x[unpack] for x in layer_outputs(model, lambda: model.hidden_states(ids_r, pos_r, cu_r))]
     sem_rows = torch.as_tensor(plan.compact_to_physical[batch.sem_to_compact], device=device)
-    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(mb.layout, backend))]
+    ctx = TreeContext(mb.layout, backend)
+    tree = [x[sem_rows] for x in layer_outputs(model, lambda: model.tree_hidden_states(ctx))]
     depth = torch.as_tensor(plan.handoff_depth[batch.sem_to_compact], device=device)
     depths = torch.unique(depth).tolist()
 
@@ -326,11 +332,13 @@ def compare(ref: Run, other: Run, depth: np.ndarray, valid: torch.Tensor, target
     }
 
 
-def run(args) -> dict:
+def run(args, kernels: KernelSettings = KernelSettings()) -> dict:
+    """The comparison for the parsed arguments; `kernels`: GPU runs' kernel settings from `--kernel-cache`
+    (`bench.kernel_cache.open_kernel_cache`), to which the kernel flags are added for the model."""
     device = torch.device(args.device)
     model = build_model(args)
     if device.type == "cuda":
-        use_kernel_choice(args, model.config.attention_shapes)
+        model.use_kernels(kernel_choice(args, model.config.attention_shapes, kernels))
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     chunk = model.config.chunk_size
     if args.trajectories:
@@ -477,9 +485,11 @@ def main(argv=None) -> int:
                         metavar="OPTION",
                         help="activation recomputation in every run (same forward numerics): none (default), full "
                              "(also a bare --recompute) or selective[:key=value,...] as in bench.speed")
-    parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"], help="tree attention backend")
+    parser.add_argument("--attention", default="dense", choices=["dense", "flex", "branch"],
+                        help="tree attention backend")
     parser.add_argument("--oracle", action="store_true",
-                        help="also compare flat, Arbor and repacked flat against a float64 flat run of the same weights")
+                        help="also compare flat, Arbor and repacked flat against a float64 flat run of the same "
+                             "weights")
     parser.add_argument("--per-layer", action="store_true",
                         help="per layer and handoff depth: rows whose output is not bitwise equal to flat")
     parser.add_argument("--seed", type=int, default=0)
@@ -503,10 +513,9 @@ def main(argv=None) -> int:
         parser.error("--oracle compares against float64: run it with --dtype float32 or bfloat16")
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1 (omit it for the model's own), got {args.chunk_size}")
-    if args.device == "cuda":
-        open_kernel_cache(args)
+    kernels = open_kernel_cache(args) if args.device == "cuda" else KernelSettings()
     try:
-        result = run(args)
+        result = run(args, kernels)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
-"""Model FLOPs of a training step, the numerator of MFU (issue 20): 6 per active parameter and row, and, apart,
+"""Model FLOPs of a training step, the numerator of MFU: 6 per active parameter and row, and, apart,
 full attention's score and value products, which grow with the context a row sees, not with the parameters.
 
-`6 N` per row (forward 2 N, backward 4 N) is the convention the issue's MFU uses. Attention adds, per causal
+`6 N` per row (forward 2 N, backward 4 N) is the common MFU convention. Attention adds, per causal
 query-key pair and full-attention layer, 2 H (d_qk + d_v) FLOPs forward and twice that backward: 6 H (d_qk + d_v).
 That is the per-pair form of the `6 l h (d_qk + d_v) t` per token that torchtitan adds to `6 N` (PaLM's `12 l h q t`
 with d_qk = d_v = q); they count all t keys of a length-t sequence, where the pairs here are each row against its

@@ -1,10 +1,10 @@
 """Where a step's host time goes: one run of it under cProfile, its functions by own time and by time inside.
 
-`bench.step_profile --host` prints this per mode. It found that tree execution had been host-bound on the H200
-(session 10: 37 fla KDA calls per layer cost 5.8 s of host time for 0.9 s of kernels, `models.ops.kda.tree_calls`). Host
-time includes waiting: a launch blocks while the device's queue is full, and a synchronisation until the device
-drains, so a function's time here is an upper bound on its own cost; "timed run - kernels" and `bench.idle` say
-whether the device waited at all.
+`bench.step_profile --host` prints this per mode. It found that tree execution had been host-bound: fla's KDA
+kernels launched call by call cost far more host time than kernel time (now one Function per layer,
+`models.ops.kda.tree_calls`; docs/history.md, "the host set carry's pace"). Host time includes waiting: a launch
+blocks while the device's queue is full, and a synchronisation until the device drains, so a function's time here
+is an upper bound on its own cost; "timed run - kernels" and `bench.idle` say whether the device waited at all.
 """
 
 from __future__ import annotations

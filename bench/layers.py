@@ -6,9 +6,11 @@ against the plain-torch reference path, forward and backward, on one layer of ea
 
 Each kind runs one decoder component at the preset's sizes on `--tokens` packed rows (sequences of `--seq-len`):
 `kda`/`gdn`/`mla`/`gated` the token mixer, `dense`/`moe` the FFN. Inputs and parameters are bf16. The reference path
-swaps the dispatchers for the plain-torch ops (naive chunkwise delta rule, naive conv and norms, SwiGLU and gate, dense-mask
-softmax attention, per-expert loop); both paths see the same inputs and weights. Errors are relative Frobenius norms
-of the fast result against the reference one: output, input gradient, and the worst parameter gradient.
+swaps the dispatchers for the plain-torch ops (naive chunkwise delta rule, naive conv and gated norm, dense-mask
+softmax attention, per-expert loop) and runs the row-wise references (norms, SwiGLU and gates, the KDA decay gate,
+the MoE combine: the model's `KernelSettings.fused_rowwise` off); both paths see the same inputs and weights. Errors
+are relative Frobenius norms of the fast result against the reference one: output, input gradient, and the worst
+parameter gradient.
 Times are medians over `--iters` after two warm-ups (the first fla call compiles and autotunes for minutes).
 """
 
@@ -26,7 +28,6 @@ import torch
 
 import models
 import models.attention_core as attention_core
-import models.ffn
 import models.gated_attention
 import models.gdn
 import models.kda
@@ -34,30 +35,31 @@ import models.linear_attention
 import models.mla
 import models.moe
 import models.norms
-from models.config import GDNConfig, GatedAttentionConfig
+from models.config import GatedAttentionConfig, GDNConfig
 from models.decoder import DecoderLayer, flat_context
 from models.experts import naive_expert_swiglu
-from models.ops.combine import naive_moe_combine
 from models.ops.conv import naive_causal_conv1d
-from models.ops.dispatch import set_fused_rowwise
-from models.ops.gate import naive_kda_decay
 from models.ops.gdn import naive_chunk_gdn
-from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.kda import naive_chunk_kda
 from models.ops.norm import naive_rms_norm_gated
-from models.ops.rmsnorm import naive_rms_norm
+from models.ops.settings import KernelSettings
 
 KINDS = ("kda", "gdn", "mla", "gated", "dense", "moe")
 
 
-def _reference_attention(q, k, v, mask, scale):
+def _reference_attention(q, k, v, mask, scale, pair):
     return attention_core.naive_attention(q, k, v, mask.dense(), scale)
 
 
+def _reference_expert_swiglu(x_MD, gate_up_E2FD, down_EDF, counts_E, fused):
+    return naive_expert_swiglu(x_MD, gate_up_E2FD, down_EDF, counts_E)
+
+
 @contextlib.contextmanager
-def reference_ops():
-    """Route every op of the model to its plain-torch reference (the dispatchers pick the fast path on CUDA; the
-    row-wise ones unless `--reference-rowwise`)."""
+def reference_ops(model: models.HybridForCausalLM):
+    """Route every op of `model` to its plain-torch reference (the dispatchers pick the fast path on CUDA; the
+    row-wise ones unless the model's kernel settings turn them off)."""
+    kernels = model.kernels
     patches = [
         (models.kda.KimiDeltaAttention, "core_op", staticmethod(naive_chunk_kda)),
         (models.gdn.GatedDeltaNet, "core_op", staticmethod(naive_chunk_gdn)),
@@ -65,19 +67,16 @@ def reference_ops():
         (models.norms, "gated_rms_norm", naive_rms_norm_gated),
         (models.gated_attention, "attention", _reference_attention),
         (models.mla, "attention", _reference_attention),
-        (models.moe, "expert_swiglu", naive_expert_swiglu),
-        (models.norms, "rms_norm", naive_rms_norm),
-        (models.ffn, "swiglu", naive_swiglu),
-        (models.gated_attention, "sigmoid_gate", naive_sigmoid_gate),
-        (models.kda, "kda_decay", naive_kda_decay),
-        (models.moe, "moe_combine", naive_moe_combine),
+        (models.moe, "expert_swiglu", _reference_expert_swiglu),
     ]
     saved = [(obj, name, obj.__dict__[name]) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
+        model.use_kernels(dataclasses.replace(kernels, fused_rowwise=False))
         yield
     finally:
+        model.use_kernels(kernels)
         for obj, name, value in saved:
             setattr(obj, name, value)
 
@@ -90,20 +89,22 @@ def layer_config(preset: str, kind: str) -> models.ModelConfig:
     if kind == "gdn" and not isinstance(config.linear_attention, GDNConfig):
         config.linear_attention = GDNConfig(num_k_heads=heads, num_v_heads=heads, head_k_dim=128, head_v_dim=128)
     if kind == "gated" and not isinstance(config.full_attention, GatedAttentionConfig):
-        config.full_attention = GatedAttentionConfig(num_heads=heads, num_kv_heads=max(1, heads // 8), head_dim=D // heads)
+        config.full_attention = GatedAttentionConfig(num_heads=heads, num_kv_heads=max(1, heads // 8),
+                                                     head_dim=D // heads)
     return dataclasses.replace(config, dtype="bfloat16")
 
 
-def build(preset: str, kind: str, device) -> tuple[torch.nn.Module, str]:
+def build(preset: str, kind: str, device,
+          kernels: KernelSettings) -> tuple[models.HybridForCausalLM, DecoderLayer, str]:
     config = layer_config(preset, kind)
     layer_type = "linear_attention" if kind in ("kda", "gdn") else "full_attention"
     ffn_type = "moe" if kind == "moe" else "dense"
     config = dataclasses.replace(config, layer_types=(layer_type,), ffn_types=(ffn_type,))
     torch.manual_seed(0)
-    model = models.HybridForCausalLM(config)
+    model = models.HybridForCausalLM(config, kernels)
     layer: DecoderLayer = model.model.layers[0].to(device)
     part = "mlp" if kind in ("dense", "moe") else "mixer"
-    return layer, part
+    return model, layer, part
 
 
 def run_once(layer: DecoderLayer, part: str, x: torch.Tensor, ctx, grad_out: torch.Tensor):
@@ -147,8 +148,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def bench_kind(args, kind: str, device) -> dict:
-    layer, part = build(args.preset, kind, device)
+def bench_kind(args, kind: str, device, kernels: KernelSettings) -> dict:
+    model, layer, part = build(args.preset, kind, device, kernels)
     T = args.tokens
     lengths = [args.seq_len] * (T // args.seq_len) + ([T % args.seq_len] if T % args.seq_len else [])
     cu = torch.tensor([0, *lengths], device=device).cumsum(0)
@@ -158,7 +159,7 @@ def bench_kind(args, kind: str, device) -> dict:
     grad_out = torch.randn(x.shape, device=device, generator=g).bfloat16()
 
     fast = run_once(layer, part, x, ctx, grad_out)
-    with reference_ops():
+    with reference_ops(model):
         ref = run_once(layer, part, x, ctx, grad_out)
     worst = max(ref[2], key=lambda n: rel(fast[2][n], ref[2][n]))
     row = {
@@ -171,7 +172,7 @@ def bench_kind(args, kind: str, device) -> dict:
     both = functools.partial(run_once, layer, part, x, ctx, grad_out)
     row["fast fwd ms"] = 1e3 * timed(fwd, args.iters)
     row["fast fwd+bwd ms"] = 1e3 * timed(both, args.iters)
-    with reference_ops():
+    with reference_ops(model):
         row["ref fwd ms"] = 1e3 * timed(fwd, max(1, args.iters // 2))
         row["ref fwd+bwd ms"] = 1e3 * timed(both, max(1, args.iters // 2))
     return row
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the fast pass runs the row-wise references, not their fused kernels "
                              "(train.fused_rowwise = false)")
     args = parser.parse_args(argv)
-    set_fused_rowwise(not args.reference_rowwise)
+    kernels = KernelSettings(fused_rowwise=not args.reference_rowwise)
     if not torch.cuda.is_available():
         print("bench.layers needs a CUDA device", file=sys.stderr)
         return 2
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kind in args.kinds:
         try:
-            rows.append(bench_kind(args, kind, device))
+            rows.append(bench_kind(args, kind, device, kernels))
         # One failing kernel (e.g. fla's GDN backward on Hopper with triton < 3.7.1) should not hide the other rows.
         except Exception as error:
             rows.append({"kind": kind, "out": f"error: {type(error).__name__}: {str(error)[:120]}"})

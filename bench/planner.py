@@ -27,8 +27,8 @@ import numpy as np
 from bench.workloads import swe_like_step, tau2_like_step
 from models.config import GatedAttentionConfig, KDAConfig, MLAConfig, ModelConfig
 from models.presets import preset
-from planner.microbatch.baselines import BASELINES
 from planner.carry.plan import CarryPlan, ContextSizes, SortedStep
+from planner.microbatch.baselines import BASELINES
 from planner.microbatch.plan import MicrobatchPlan, imbalance, plan_microbatches
 from planner.step_plan import plan_step
 
@@ -83,7 +83,7 @@ def _run(name: str, trajectories, capacity: int, dp: int, ortools_time_limit: fl
 
 
 def _check(plan: MicrobatchPlan | CarryPlan, n: int, capacity: int, dp: int) -> None:
-    if isinstance(plan, CarryPlan):
+    if plan.carries:
         if sorted(i for tree in plan.trees for i in tree) != list(range(n)):
             raise AssertionError(f"{plan.method}: trees do not partition the trajectories")
         if any(not mb.parts or mb.compact_tokens > capacity for mb in plan.microbatches):
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             s["slots"] += plan.num_slots
             s["slot_imb"].append(imbalance(w))
             s["step_imb"].append(float(imbalance(w.sum(axis=0, keepdims=True))[0]))
-            if isinstance(plan, CarryPlan):
+            if plan.carries:
                 bound = plan.context_bound(sizes)
                 s["open"] = max(s["open"], bound.max_open_microbatches)
                 s["context"] = max(s["context"], bound.max_context_rows)

@@ -14,8 +14,8 @@ mode's time ratio), the same kernels in every mode
   compact tokens; a tree larger than a microbatch executes its shared prefix in each of its microbatches), then per
   microbatch `models.microbatch.prepare_microbatch` (pack -> minimum-call plan -> TreeLayout, as every trainer rank
   does) -> tree forward -> mapped log-probs -> the same loss -> backward;
-- carry (issue #17): `planner.carry.plan.plan_carry` (parts of at most `capacity` rows, every unique row once), then
-  `parallel.replica.prepare_carry_replica` and `parallel.carry_runner.CarryRunner.train_step` with the same loss
+- carry: `planner.carry.plan.plan_carry` (parts of at most `capacity` rows, every unique row once), then
+  `parallel.replica.prepare_step` and `parallel.plain_runner.PlainRunner.train_step` with the same loss
   (policy term over the trained positions and the same balance term of each microbatch's MoE statistics). Its
   events interleave microbatches, so a carry pass is timed as a whole (its fastest pass counts).
 F/B/Grad time = everything after the microbatch plan except the optimizer (incl. the per-microbatch preparation);
@@ -23,11 +23,11 @@ Core adds Arbor's microbatch planner. Every mode accumulates gradients over all 
 (cuda) is each mode's own. Workloads: SWE-like trees (bench.workloads) and a low-sharing workload (compression
 ~1.2). The `auto` mode (when flat and duplicate run) runs the duplicate plan as the RL job's `planner.mode = "auto"`
 does, under a linear cost model fitted to this run's own measurements: each microbatch as its trie, or as its flat
-expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`,
-`models.microbatch.prepare_microbatch`). MFU (cuda) is printed for each mode in two forms (`bench.flops`): 6 per
-active parameter and executed row, and with full attention's products over the causal query-key pairs executed.
-(Until session 9 it packed the other microbatches' trajectories flat
-like the baseline instead: the "auto x" columns of earlier bench/RESULTS.md sections measured that.)
+expansion when the model predicts that faster and the expansion fits the capacity (`CostModel.runs_flat`, the
+planner's choice: `planner.microbatch.flat`, charged to Core like the plan). MFU (cuda) is printed for each mode in
+two forms (`bench.flops`): 6 per active parameter and executed row, and with full attention's products over the
+causal query-key pairs executed. (Earlier versions packed the other microbatches' trajectories flat like the
+baseline instead: the "auto x" columns of docs/history.md's earlier sections measured that.)
 """
 
 from __future__ import annotations
@@ -44,21 +44,22 @@ import torch
 from bench.ceiling import KernelWork, ideal, profiled
 from bench.flops import PEAK_FLOPS, active_params, attention_flops_per_pair, mfu
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_attention_pair, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, check_attention_pair, kernel_choice
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.microbatch import Microbatch, prepare_microbatch
 from models.moe import load_balancing_loss
-from models.ops.dispatch import set_fused_rowwise
+from models.ops.settings import KernelSettings
 from models.ops.varlen_attention import CUDA_ATTENTION
 from models.presets import preset
 from models.recompute import parse_recompute_option
-from models.tree.execute import tree_hidden_states
-from parallel.carry_runner import CarryRunner
-from parallel.replica import prepare_carry_replica
+from models.tree.mixers import TreeContext
+from parallel.plain_runner import PlainRunner
+from parallel.replica import prepare_step
 from planner.carry.plan import plan_carry
 from planner.cost_model import CostModel
+from planner.microbatch.flat import with_flat_choices
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory
@@ -120,30 +121,29 @@ def flat_step(model, trajectories, device, normalizer) -> None:
     out = model.hidden_states(ids, pos, cu)
     rows = torch.arange(ids.numel(), device=device) - 1
     rows[cu[:-1]] = -1
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, rows, ids)
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, rows, ids, fused=model.kernels.fused_rowwise)
     mask = (rows >= 0).to(lp.dtype)
     adv = torch.as_tensor(np.concatenate([t.advantage for t in trajectories]), device=device, dtype=lp.dtype)
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
 
 
-def tree_step(model, trajectories, device, normalizer, backend, cost: CostModel | None = None,
-              capacity: int | None = None, share: bool = True) -> Microbatch:
-    """One microbatch's forward, loss and backward: its trie, with `cost` and `capacity` what `prepare_microbatch`
-    chooses (the trie or its flat expansion), with `share=False` its flat expansion."""
-    mb = prepare_microbatch(trajectories, model.config, device, cost=cost, capacity=capacity, share=share)
+def tree_step(model, trajectories, device, normalizer, backend, flat: bool = False) -> Microbatch:
+    """One microbatch's forward, loss and backward: its trie, or with `flat` its flat expansion."""
+    mb = prepare_microbatch(trajectories, model.config, device, flat=flat)
     layout = mb.layout
-    out = tree_hidden_states(model, layout, backend)
-    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target)
+    out = model.tree_hidden_states(TreeContext(layout, backend))
+    lp = compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target,
+                          fused=model.kernels.fused_rowwise)
     mask = (layout.logit_row >= 0).to(lp.dtype)
-    adv = torch.as_tensor(mb.batch.advantage, device=device, dtype=lp.dtype)
+    adv = torch.as_tensor(mb.batches[0].advantage, device=device, dtype=lp.dtype)
     loss_of(lp, mask, adv, out.moe_stats, normalizer).backward()
     return mb
 
 
-def carry_step(model, trajectories, plan, device, normalizer, runner: CarryRunner):
+def carry_step(model, trajectories, plan, device, normalizer, runner: PlainRunner):
     """One carry pass: this (only) replica's carry microbatches prepared, then run in the plan's event order with
     `loss_of`'s loss (advantages and trained positions from each microbatch's loss inputs)."""
-    step = prepare_carry_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+    step = prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
                                  aggregation="token-mean", device=device)
 
     def loss_fn(logprobs, mb, output):
@@ -196,7 +196,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         start = time.perf_counter()
         cplan = plan_carry(trajectories, args.capacity, 1)
         carry_plan_seconds = time.perf_counter() - start
-        runner = CarryRunner(model, attention_backend=args.attention, resident=args.carry_resident)
+        runner = PlainRunner(model, attention_backend=args.attention, resident=args.carry_resident)
     flat_groups = first_fit_flat(trajectories, args.capacity)
 
     def run_flat(group):
@@ -206,9 +206,9 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     per_mb = {}
     for mode in modes:
         # Every microbatch shape is run once untimed first: Triton autotunes per shape, and a first pass would
-        # charge that to whichever mode has more distinct microbatches (measured: 21 s first vs 4.5 s later).
-        # Then `repeat` timed passes; each microbatch counts with its fastest pass (run-to-run noise is ~3%); a carry
-        # pass counts as one unit (its events interleave microbatches).
+        # charge that to whichever mode has more distinct microbatches (a shape's first pass takes several times a later
+        # one). Then `repeat` timed passes; each microbatch counts with its fastest pass (run-to-run noise: the top of
+        # bench/RESULTS.md); a carry pass counts as one unit (its events interleave microbatches).
         passes = []
         for timed_pass in range(args.warmup + args.repeat):
             model.zero_grad(set_to_none=True)
@@ -249,7 +249,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     peak_flops = PEAK_FLOPS.get(device.type)
 
     def utilisation(rows: float, pairs: float, seconds: float) -> dict:
-        """MFU of `rows` rows and `pairs` query-key pairs in `seconds`: 6 N only (the issue's form), and with
+        """MFU of `rows` rows and `pairs` query-key pairs in `seconds`: 6 N only (the common form), and with
         full attention's products (bench.flops)."""
         if not peak_flops:
             return {}
@@ -258,7 +258,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
     state = {"trajectories": trajectories, "normalizer": normalizer}
     if "duplicate" in modes:
         mbs = per_mb["duplicate"][1]
-        batches = [mb.batch for mb in mbs]
+        batches = [mb.batches[0] for mb in mbs]
         C = sum(b.num_compact for b in batches)
         tree_s = results["tree"]["seconds"]
         pairs = sum(tree_pairs(b) for b in batches)
@@ -272,8 +272,8 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
             "attention_view_rows": sum(view_rows(mb) for mb in mbs),
             "planning_seconds": plan_seconds,
         })
-        state.update({"groups": groups,
-                      "tree_samples": [(mb.batch.num_compact, view_rows(mb), t)
+        state.update({"plan": mplan, "groups": groups,
+                      "tree_samples": [(mb.num_compact, view_rows(mb), t)
                                        for mb, t in zip(mbs, per_mb["duplicate"][0])]})
     if "flat" in modes:
         row["flat"] = {**results["flat"], **utilisation(S, flat_pairs(trajectories), flat_s)}
@@ -308,7 +308,7 @@ def run_workload(name, trajectories, model, args, device) -> tuple[dict, dict]:
         flat_w, _ = profiled(lambda: flat_step(model, flat_t, device, normalizer), sum(len(t) for t in flat_t),
                              flat_pairs(flat_t))
         if "duplicate" in modes:
-            group, batch = max(((g, mb.batch) for g, mb in zip(groups, per_mb["duplicate"][1])),
+            group, batch = max(((g, mb.batches[0]) for g, mb in zip(groups, per_mb["duplicate"][1])),
                                key=lambda gb: gb[1].num_compact)
             tree_t = [trajectories[i] for i in group]
             tree_w, _ = profiled(lambda: tree_step(model, tree_t, device, normalizer, args.attention),
@@ -343,7 +343,7 @@ def ceiling_of(flat_w: KernelWork, tree_w: KernelWork, speedup: float) -> dict:
 
 
 def time_expansion(model, trajectories, flat_groups, flat_times, normalizer, args, device) -> dict:
-    """The heaviest flat microbatch run as a flat expansion through the tree path (`tree_step(share=False)`: what
+    """The heaviest flat microbatch run as a flat expansion through the tree path (`tree_step(flat=True)`: what
     auto mode runs instead of a trie that shares too little), against its own trajectory-wise time `flat_times`;
     untimed passes first, then the fastest timed pass."""
     k = heaviest(flat_groups, trajectories)
@@ -351,7 +351,7 @@ def time_expansion(model, trajectories, flat_groups, flat_times, normalizer, arg
     times = []
     for timed_pass in range(args.warmup + args.repeat):
         model.zero_grad(set_to_none=True)
-        dt, _ = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, share=False), device)
+        dt, _ = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, flat=True), device)
         if timed_pass >= args.warmup:
             times.append(dt)
     model.zero_grad(set_to_none=True)
@@ -392,24 +392,24 @@ def carry_context_cost(samples, per_compact: float, per_view_row: float) -> floa
 
 def run_auto(state: dict, cost: dict, model, args, device) -> dict:
     """The HARTS plan's microbatches as the RL job's auto mode runs a HARTS plan under `cost`: each as its trie or,
-    when `CostModel.runs_flat`, as its flat expansion (its preparation, trie included, timed as for the other
-    modes); an untimed pass first (new shapes), then each microbatch's fastest pass."""
+    where the planner marks it (`CostModel.runs_flat`, untimed like the plan), as its flat expansion (its
+    preparation timed as for the other modes); an untimed pass first (new shapes), then each microbatch's fastest
+    pass."""
     trajectories, normalizer = state["trajectories"], state["normalizer"]
-    cost_model = CostModel(**cost)
-    passes, flat = [], 0
+    planned = with_flat_choices(state["plan"], trajectories, CostModel(**cost)).microbatches
+    flat = sum(mb.flat for mb in planned)
+    passes = []
     for timed_pass in range(args.warmup + args.repeat):
         model.zero_grad(set_to_none=True)
-        times, flat = [], 0
-        for g in state["groups"]:
-            sub = [trajectories[i] for i in g]
-            dt, mb = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, cost_model,
-                                             args.capacity), device)
+        times = []
+        for mb in planned:
+            sub = [trajectories[i] for i in mb.trajectories]
+            dt, _ = timed(lambda: tree_step(model, sub, device, normalizer, args.attention, mb.flat), device)
             times.append(dt)
-            flat += mb.flat
         if timed_pass >= args.warmup:
             passes.append(times)
     model.zero_grad(set_to_none=True)
-    groups = len(state["groups"])
+    groups = len(planned)
     return {"tree_microbatches": groups - flat, "of": groups, "flat_microbatches": flat,
             "seconds": sum(min(ts) for ts in zip(*passes))}
 
@@ -587,15 +587,15 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    kernels = KernelSettings()
     if device.type == "cuda":
-        open_kernel_cache(args)
-        use_kernel_choice(args, preset(args.model, args.layers).attention_shapes)
+        kernels = kernel_choice(args, preset(args.model, args.layers).attention_shapes, open_kernel_cache(args))
         for pair in CUDA_ATTENTION if args.compare_attention else ():
-            use_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
+            check_attention_pair(pair, "--compare-attention needs")  # every pair can run, before the first run
     torch.manual_seed(args.seed)
     config = dataclasses.replace(preset(args.model, args.layers), dtype=args.dtype)
     with torch.device(device):
-        model = HybridForCausalLM(config)
+        model = HybridForCausalLM(config, kernels)
     V = config.vocab_size
     workloads = [("swe", swe_like_step(args.seed, scale=args.scale, token_scale=args.token_scale, vocab_size=V,
                                        max_path_tokens=args.capacity))]
@@ -608,8 +608,7 @@ def main(argv=None) -> int:
         print(f"run {label}", file=sys.stderr, flush=True)
         model.set_activation_checkpointing(parse_recompute_option(text))
         if device.type == "cuda":
-            set_fused_rowwise(fused)
-            use_attention_pair(pair)
+            model.use_kernels(dataclasses.replace(kernels, fused_rowwise=fused, attention=pair))
         measured = [run_workload(name, trajs, model, args, device) for name, trajs in workloads]
         cost = None
         if {"flat", "duplicate"} <= set(args.modes) and not args.no_auto:
@@ -623,7 +622,8 @@ def main(argv=None) -> int:
                          "run_index": index})
         costs.append(cost)
     header = {
-        "model": args.model, "layers": args.layers, "dtype": args.dtype, "capacity": args.capacity, "attention": args.attention,
+        "model": args.model, "layers": args.layers, "dtype": args.dtype, "capacity": args.capacity,
+        "attention": args.attention,
         "attention_kernels": ",".join(dict.fromkeys(v[2] for v in variants)) if cuda_attention_runs else "reference",
         "modes": list(args.modes), "recompute": list(args.recompute), "carry_resident": args.carry_resident,
         "fused_rowwise": not args.reference_rowwise, "compare_rowwise": args.compare_rowwise,

@@ -1,5 +1,5 @@
 """Where one microbatch's time goes, flat vs tree, on one GPU: host synchronisations by source line and the CUDA
-kernels that take the most time (issue 7, item 5).
+kernels that take the most time.
 
     python -m bench.step_profile [--model ling-3-tiny] [--seed 0] [--scale 0.01] [--capacity 65536]
                                  [--attention branch] [--modes flat,tree,duplicate,carry]
@@ -13,7 +13,7 @@ tree's kernel time against an ideal: flat's cost per row for everything but full
 pair for flash attention (the tree's pairs shrink less than its rows); the excess is what tree execution adds.
 
 `--modes` picks what runs (default flat,tree): also "duplicate", the whole step in duplicate mode (every microbatch
-of the HARTS plan), and "carry", the whole step in carry mode (issue #17: `bench.speed.carry_step`, every unique row
+of the HARTS plan), and "carry", the whole step in carry mode (`bench.speed.carry_step`, every unique row
 once), each against the same ideal when flat runs too. "timed run - kernels" is the second unprofiled run's wall time
 minus the profiled run's kernel time: the time the GPU waits for the host (preparation, launches,
 synchronisations); `bench.idle` says where in the profiled run it lies (before the first kernel, and the longest
@@ -42,17 +42,25 @@ from torch.autograd.profiler_util import EventList
 from bench.ceiling import KernelWork, ideal, is_device_work, profiled, tree_regions
 from bench.host_time import host_profile
 from bench.idle import profile_idle
-from bench.kernel_split import describe_split, kernel_split
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, kernel_choice
+from bench.kernel_split import describe_split, kernel_split
 from bench.speed import (
-    carry_step, first_fit_flat, flat_pairs, flat_step, heaviest, recompute_option, sync, tree_pairs, tree_step,
+    carry_step,
+    first_fit_flat,
+    flat_pairs,
+    flat_step,
+    heaviest,
+    recompute_option,
+    sync,
+    tree_pairs,
+    tree_step,
 )
 from bench.workloads import swe_like_step
 from models.decoder import HybridForCausalLM
 from models.presets import preset
 from models.recompute import parse_recompute_option
-from parallel.carry_runner import CarryRunner
+from parallel.plain_runner import PlainRunner
 from planner.carry.plan import plan_carry
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
@@ -127,12 +135,12 @@ def main(argv=None) -> int:
         parser.error(f"--modes: unknown {unknown}; choose among flat, tree, duplicate, carry")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    open_kernel_cache(args)
+    kernels = open_kernel_cache(args)
     config = dataclasses.replace(preset(args.model, args.layers), dtype="bfloat16")
-    use_kernel_choice(args, config.attention_shapes)
+    kernels = kernel_choice(args, config.attention_shapes, kernels)
     dev = torch.device("cuda")
     with torch.device(dev):
-        model = HybridForCausalLM(config)
+        model = HybridForCausalLM(config, kernels)
     model.set_activation_checkpointing(parse_recompute_option(args.recompute))
     trajs = swe_like_step(args.seed, scale=args.scale, vocab_size=config.vocab_size, max_path_tokens=args.capacity)
     flat_groups = first_fit_flat(trajs, args.capacity)
@@ -146,7 +154,7 @@ def main(argv=None) -> int:
     trie = pack(trajs)
     packed = [pack(g) for g in groups]
     plan = plan_carry(trajs, args.capacity, 1) if "carry" in chosen else None
-    runner = CarryRunner(model, attention_backend=args.attention) if plan else None
+    runner = PlainRunner(model, attention_backend=args.attention) if plan else None
     steps = {
         "flat": lambda: flat_step(model, flat_trajs, dev, 1e6),
         "tree": lambda: tree_step(model, tree_trajs, dev, 1e6, args.attention),

@@ -73,13 +73,13 @@ def naive_attention(
 
 
 def attention(
-    q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tensor, mask, scale: float
+    q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tensor, mask, scale: float, pair: str = "flash"
 ) -> torch.Tensor:
     """Attention of q `[Q, H, K]` over k `[S, G, K]`, v `[S, G, V]` under `mask`; returns `[Q, H, V]` in q.dtype.
 
-    `VarlenCausalMask` on CUDA in bf16/fp16 runs the packed kernels of `models.ops.varlen_attention` (the pair
-    `use_cuda_attention` chose, FlashAttention-2 or FlashAttention-4, as the tree's branch views); everything else runs
-    `naive_attention` on `mask.dense()`.
+    `VarlenCausalMask` on CUDA in bf16/fp16 runs the packed kernels of `models.ops.varlen_attention` (CUDA pair
+    `pair`, FlashAttention-2 or FlashAttention-4: the model's `KernelSettings.attention`, as in the tree's branch
+    views); everything else runs `naive_attention` on `mask.dense()`.
     """
     if (
         isinstance(mask, VarlenCausalMask)
@@ -87,5 +87,5 @@ def attention(
         and q_QHK.dtype in (torch.bfloat16, torch.float16)
     ):
         cu = mask.cu_seqlens
-        return varlen_attention(q_QHK, k_SGK, v_SGV, cu, cu, mask.max_len, mask.max_len, scale)
+        return varlen_attention(q_QHK, k_SGK, v_SGV, cu, cu, mask.max_len, mask.max_len, scale, pair)
     return naive_attention(q_QHK, k_SGK, v_SGV, mask.dense(), scale)

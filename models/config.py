@@ -87,9 +87,9 @@ class MLAConfig:
     `rms_norm_eps`; vLLM's Kimi-Linear uses `rms_norm_eps` (1e-5), a small train/serve mismatch."""
 
     def __post_init__(self) -> None:
-        _positive("MLAConfig", latent_norm_eps=self.latent_norm_eps, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
-                  qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                  v_head_dim=self.v_head_dim, rope_theta=self.rope_theta)
+        _positive("MLAConfig", latent_norm_eps=self.latent_norm_eps, num_heads=self.num_heads,
+                  kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                  qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, rope_theta=self.rope_theta)
         if self.q_lora_rank is not None:
             _positive("MLAConfig", q_lora_rank=self.q_lora_rank)
         if self.rope and self.qk_rope_head_dim % 2:

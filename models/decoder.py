@@ -7,15 +7,16 @@ Module tree and parameter names are those of transformers 5's Qwen3NextForCausal
 `.mlp`, `model.norm`, `lm_head`), so `state_dict()` lines up with `transformers`' `state_dict()` one to one.
 `models.hf_io` converts to the on-disk checkpoint layout (per-expert tensors, split convs, ...).
 
-Flat packed forward: rows of N sequences are concatenated; `cu_seqlens` `[N+1]` marks the sequences; positions
-restart at 0 in each sequence unless given; full attention is causal inside each sequence; linear attention and the
-short conv restart from zero states at every sequence.
+Flat packed forward (`flat_forward`, `hidden_states`): rows of N sequences are concatenated; `cu_seqlens` `[N+1]`
+marks the sequences; positions restart at 0 in each sequence unless given; full attention is causal inside each
+sequence; linear attention and the short conv restart from zero states at every sequence.
 
-Tree forward (HARTS §3.4-3.5): the compact rows C of a rollout-tree microbatch in the plan's physical order, described
-by a `models.tree.layout.TreeLayout`. The same layer loop and the same `DecoderLayer.forward` run both: a layer asks
-its context (`FlatContext` or `models.tree.mixers.TreeContext`) to run its token mixer, so only the mixers' row
-couplings differ; every row-wise step (embeddings, norms, projections, MLP/MoE, LM head) runs once per compact row,
-and MoE statistics are weighted by the rows' multiplicities.
+Tree forward (`forward(ctx)`, the module call; HARTS §3.4-3.5): the compact rows C of a rollout-tree microbatch in
+the plan's physical order, described by the `models.tree.layout.TreeLayout` its context `ctx` holds. The same layer
+loop and the same `DecoderLayer.forward` run both: a layer asks its context (`FlatContext` or
+`models.tree.mixers.TreeContext`) to run its token mixer, so only the mixers' row couplings differ; every row-wise
+step (embeddings, norms, projections, MLP/MoE, LM head) runs once per compact row, and MoE statistics are weighted
+by the rows' multiplicities.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from models.logprobs import compact_logprobs
 from models.mla import MLA
 from models.moe import MoE, MoEStats
 from models.norms import RMSNorm
+from models.ops.settings import KernelSettings
 from models.recompute import LayerRecompute, SelectiveRecompute
-from models.tree.attention import Backend
 from models.tree.layout import TreeLayout
 from models.tree.mixers import TreeContext
+
 
 @dataclass
 class FlatContext:
@@ -212,9 +214,10 @@ def flat_context(T: int, position_ids: torch.Tensor | None, cu_seqlens: torch.Te
 
 
 class HybridForCausalLM(nn.Module):
-    """The decoder with its LM head (`model`, `lm_head`; no `lm_head` module when embeddings are tied)."""
+    """The decoder with its LM head (`model`, `lm_head`; no `lm_head` module when embeddings are tied), running its
+    ops on the kernels `kernels` names (`models.ops.settings.KernelSettings`; `use_kernels` changes them)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: KernelSettings = KernelSettings()):
         super().__init__()
         self.config = config
         self.model = HybridModel(config)
@@ -223,6 +226,17 @@ class HybridForCausalLM(nn.Module):
         self.reset_parameters()
         self.to(DTYPES[config.dtype])
         self.keep_upcast_buffers()
+        self.use_kernels(kernels)
+
+    def use_kernels(self, kernels: KernelSettings) -> None:
+        """Run this model's ops on `kernels` from now on: the model and each of its modules that dispatches to a
+        kernel (those with a `kernels` attribute: norms, FFNs, experts, mixers) hold it and pass their ops what it
+        says. Not process-wide: another model keeps its own. Call it before wrapping the model (FSDP2, compile,
+        pipeline stages), as a job does once it has resolved `train.attention_kernels` for the model."""
+        for module in self.modules():
+            if isinstance(getattr(module, "kernels", None), KernelSettings):
+                module.kernels = kernels
+        self.kernels = kernels
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -297,13 +311,10 @@ class HybridForCausalLM(nn.Module):
             out.hidden = out.hidden.view(*batch_shape, -1)
         return out
 
-    def tree_hidden_states(self, layout: TreeLayout | TreeContext,
-                           attention_backend: Backend = "dense") -> DecoderOutput:
-        """Final-normed hidden states `[C, D]` of the layout's physical rows and per-layer MoE statistics
-        (multiplicity-weighted). `attention_backend`: tree full attention, see `models.tree.attention`. A ready
-        context (a `TreeContext` subclass such as the prefix carry's `models.tree.carry_exchange.CarryContext`) runs as
-        given, with its own backend."""
-        ctx = layout if isinstance(layout, TreeContext) else TreeContext(layout, attention_backend)
+    def tree_hidden_states(self, ctx: TreeContext) -> DecoderOutput:
+        """Final-normed hidden states `[C, D]` of the physical rows of `ctx.layout` and per-layer MoE statistics
+        (multiplicity-weighted), the layers mixing under `ctx` (a `TreeContext` with its full-attention backend, or
+        the prefix carry's `models.tree.carry_exchange.CarryContext`)."""
         layout = ctx.layout
         linear = self.config.linear_attention
         if linear is not None and linear.chunk_size != layout.chunk_size:
@@ -326,21 +337,25 @@ class HybridForCausalLM(nn.Module):
         `[C, D]` (`models.logprobs.compact_logprobs`). A tensor-parallel model overrides this with its
         vocabulary-parallel version."""
         return compact_logprobs(
-            hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy
+            hidden_CD, self.lm_head_weight, layout.logit_row, layout.target, chunk_rows=chunk_rows, entropy=entropy,
+            fused=self.kernels.fused_rowwise,
         )
 
-    def forward(self, input_ids: torch.Tensor | TreeLayout | TreeContext, *args,
-                **kwargs) -> CausalLMOutput | TreeLMOutput:
-        """Flat: `forward(input_ids, position_ids=None, cu_seqlens=None)` -> `flat_forward`.
-        Tree: `forward(layout, attention_backend="dense", chunk_rows=None, entropy=False, temperature=1.0)` ->
-        `tree_forward` (a TreeContext in place of the layout: see `tree_hidden_states`).
+    def forward(self, ctx: TreeContext, *, chunk_rows: int | None = None, entropy: bool = False,
+                temperature: float = 1.0) -> TreeLMOutput:
+        """The tree forward of one microbatch: `tree_hidden_states(ctx)` plus `compact_logprobs` (`chunk_rows`: rows
+        per vocabulary chunk, default ~512 MiB of fp32 scratch). Log-probs and entropies are those of
+        softmax(logits / temperature), the distribution a rollout engine sampled from: the final-normed rows `[C, D]`
+        are divided by the temperature before the LM head (`hidden` of the output stays undivided).
 
-        The tree form is how tree execution enters the model as a module (`models.tree.execute.tree_logprobs`), so
-        that a wrapper of the root (FSDP2's unit of embeddings, final norm and LM head) sees the whole step.
+        Tree execution enters the model as a module this way (`model(ctx, ...)`), so that a wrapper of the root
+        (FSDP2's unit of embeddings, final norm and LM head) sees the whole step. The flat packed forward is
+        `flat_forward` (and `hidden_states`).
         """
-        if isinstance(input_ids, (TreeLayout, TreeContext)):
-            return self.tree_forward(input_ids, *args, **kwargs)
-        return self.flat_forward(input_ids, *args, **kwargs)
+        out = self.tree_hidden_states(ctx)
+        result = self.compact_logprobs(temperature_scaled(out.hidden, temperature), ctx.layout, chunk_rows, entropy)
+        logprobs, entropy_S = result if entropy else (result, None)
+        return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)
 
     def flat_forward(
         self,
@@ -352,18 +367,3 @@ class HybridForCausalLM(nn.Module):
         `models.logprobs` to avoid materialising [T, V])."""
         out = self.hidden_states(input_ids, position_ids, cu_seqlens)
         return CausalLMOutput(out.hidden, out.moe_stats, out.hidden @ self.lm_head_weight.T)
-
-    def tree_forward(
-        self, layout: TreeLayout | TreeContext, attention_backend: Backend = "dense", chunk_rows: int | None = None,
-        entropy: bool = False, temperature: float = 1.0,
-    ) -> TreeLMOutput:
-        """`tree_hidden_states` plus `compact_logprobs` (`chunk_rows`: rows per vocabulary chunk, default ~512 MiB
-        of fp32 scratch). Log-probs and entropies are those of softmax(logits / temperature), the distribution a
-        rollout engine sampled from: the final-normed rows `[C, D]` are divided by the temperature before the LM
-        head (`hidden` of the output stays undivided)."""
-        out = self.tree_hidden_states(layout, attention_backend)
-        if isinstance(layout, TreeContext):
-            layout = layout.layout
-        result = self.compact_logprobs(temperature_scaled(out.hidden, temperature), layout, chunk_rows, entropy)
-        logprobs, entropy_S = result if entropy else (result, None)
-        return TreeLMOutput(out.hidden, out.moe_stats, logprobs, entropy_S)

@@ -35,14 +35,15 @@ def naive_expert_swiglu(
 
 
 def expert_swiglu(
-    x_MD: torch.Tensor, gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor, counts_E: torch.Tensor
+    x_MD: torch.Tensor, gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor, counts_E: torch.Tensor, *,
+    fused: bool = True,
 ) -> torch.Tensor:
-    """As `naive_expert_swiglu`; on CUDA in bf16 it runs `torch._grouped_mm` (one launch per projection) and fla's
-    fused `swiglu` (unless `set_fused_rowwise(False)`) on the two halves of the gate|up product (`models.ops.glu`,
-    read in place)."""
+    """As `naive_expert_swiglu`; on CUDA in bf16 it runs `torch._grouped_mm` (one launch per projection) and the
+    fused `swiglu` (where `fused`: a model's `KernelSettings.fused_rowwise`) on the two halves of the gate|up product
+    (`models.ops.glu`, read in place)."""
     if not (x_MD.is_cuda and x_MD.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return naive_expert_swiglu(x_MD, gate_up_E2FD, down_EDF, counts_E)
     offsets = counts_E.cumsum(0).to(torch.int32)
     gate_up_M2F = torch._grouped_mm(x_MD, gate_up_E2FD.transpose(1, 2), offs=offsets)
     gate, up = gate_up_M2F.chunk(2, dim=-1)
-    return torch._grouped_mm(swiglu(gate, up), down_EDF.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(swiglu(gate, up, fused=fused), down_EDF.transpose(1, 2), offs=offsets)

@@ -15,12 +15,17 @@ from models.attention_core import AttentionRows, attention
 from models.config import GatedAttentionConfig
 from models.norms import RMSNorm
 from models.ops.glu import sigmoid_gate
+from models.ops.settings import KernelSettings
 from models.rope import apply_rope, rope_cos_sin
 
 
 class GatedAttention(nn.Module):
     """Steps: `project` (per row: projections, q/k norm, RoPE at the given positions) -> `core` (attention under a
     mask description) -> `output` (sigmoid gate, o_proj). `forward` composes them."""
+
+    kernels: KernelSettings = KernelSettings()
+    """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it
+    (`HybridForCausalLM.use_kernels`)."""
 
     def __init__(self, config: GatedAttentionConfig, hidden_size: int, eps: float, zero_centered_norm: bool):
         super().__init__()
@@ -48,11 +53,11 @@ class GatedAttention(nn.Module):
 
     def core(self, q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGK: torch.Tensor, mask) -> torch.Tensor:
         """softmax(q k^T / sqrt(K)) v under `mask` (see `models.attention_core`) -> `[Q, H, K]`."""
-        return attention(q_QHK, k_SGK, v_SGK, mask, self.scale)
+        return attention(q_QHK, k_SGK, v_SGK, mask, self.scale, self.kernels.attention)
 
     def output(self, o_THK: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         """Per-row step: o `[T, H, K]` * sigmoid(gate) -> o_proj -> `[T, D]`."""
-        o_TX = sigmoid_gate(rows.gate, o_THK.reshape(o_THK.shape[0], -1))
+        o_TX = sigmoid_gate(rows.gate, o_THK.reshape(o_THK.shape[0], -1), fused=self.kernels.fused_rowwise)
         return self.o_proj(o_TX)
 
     def forward(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor, mask) -> torch.Tensor:

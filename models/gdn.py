@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import GDNConfig
+from models.dtypes import upcast
 from models.linear_attention import CoreInputs, LinearAttention
 from models.norms import GatedRMSNorm
-from models.dtypes import upcast
 from models.ops import gdn_core, l2_norm
 
 
@@ -86,8 +86,8 @@ class GatedDeltaNet(LinearAttention):
         dtype = upcast(rows.a.dtype)
         g_THV = -self.A_log.to(dtype).exp() * F.softplus(rows.a.to(dtype) + self.dt_bias.to(dtype))
         return CoreInputs(
-            q=l2_norm(q.reshape(T, c.num_k_heads, c.head_k_dim)),
-            k=l2_norm(k.reshape(T, c.num_k_heads, c.head_k_dim)),
+            q=l2_norm(q.reshape(T, c.num_k_heads, c.head_k_dim), fused=self.kernels.fused_rowwise),
+            k=l2_norm(k.reshape(T, c.num_k_heads, c.head_k_dim), fused=self.kernels.fused_rowwise),
             v=v.reshape(T, c.num_v_heads, c.head_v_dim),
             g=g_THV,
             beta=torch.sigmoid(rows.b),

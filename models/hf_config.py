@@ -81,7 +81,8 @@ def config_from_hf(raw: dict) -> ModelConfig:
             ffn_types=ffn_types,
             full_attention=GatedAttentionConfig(
                 num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                rope_theta=float(rope["rope_theta"]), partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+                rope_theta=float(rope["rope_theta"]),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
             ),
             linear_attention=GDNConfig(
                 num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
@@ -105,7 +106,8 @@ def config_from_hf(raw: dict) -> ModelConfig:
         raise _unsupported("moe_router_activation_func", activation, "transformers' KimiLinear routes with sigmoid")
     if cfg.num_key_value_heads != cfg.num_attention_heads:
         raise _unsupported("num_key_value_heads", cfg.num_key_value_heads,
-                           f"MLA decompresses one key/value per head: use num_attention_heads ({cfg.num_attention_heads})")
+                           "MLA decompresses one key/value per head: use num_attention_heads "
+                           f"({cfg.num_attention_heads})")
     uses_moe = "sparse" in cfg.mlp_layer_types
     return ModelConfig(
         family="kimi_linear",

@@ -6,8 +6,9 @@ original layout, which transformers converts on load and back on save, and which
                   (Kimi-Linear: `w1` / `w3`), `...mlp.experts.down_proj [E, D, F]` <-> per expert `down_proj`
                   (Kimi-Linear: `w2`) `[D, F]`
   Kimi-Linear     MoE layers' `mlp.` <-> `block_sparse_moe.` (dense layers keep `mlp.`, as vLLM expects; on load
-                  `block_sparse_moe.` is accepted for them too, which is how transformers' save_pretrained names them); `self_attn.forget_gate.{f_a_proj, f_b_proj, dt_bias,
-                  A_log}` <-> `self_attn.{...}`; `self_attn.conv1d.weight [3C, 1, W]` <-> `self_attn.{q,k,v}_conv1d.weight`
+                  `block_sparse_moe.` is accepted for them too, which is how transformers' save_pretrained names
+                  them); `self_attn.forget_gate.{f_a_proj, f_b_proj, dt_bias, A_log}` <-> `self_attn.{...}`;
+                  `self_attn.conv1d.weight [3C, 1, W]` <-> `self_attn.{q,k,v}_conv1d.weight`
 `checkpoint_tensors(model)` yields the on-disk (name, tensor) pairs without copying, e.g. to stream weights into
 vLLM's `load_weights`; `save_hf` writes them. `check_hf` checks a checkpoint folder against its config.json without
 reading tensor data (`load_hf` runs it first): every fault is a `HFCheckpointError` naming the file (and tensor) and
@@ -234,8 +235,8 @@ def _shards(path: Path, index: Path) -> dict[str, DiskTensor]:
     for file_name, names in names_of.items():
         file = path / file_name
         if not file.is_file():
-            raise HFCheckpointError(f"{index} names shard {file_name} (for {names[0]!r} and {len(names) - 1} more), but "
-                                  f"{file} does not exist; copy every shard the index names beside it")
+            raise HFCheckpointError(f"{index} names shard {file_name} (for {names[0]!r} and {len(names) - 1} more), "
+                                    f"but {file} does not exist; copy every shard the index names beside it")
         shapes = _tensor_shapes(file)
         for name in names:
             if name not in shapes:

@@ -106,8 +106,10 @@ class KimiDeltaAttention(LinearAttention):
         T = qkv[0].shape[0]
         q, k, v = (t.reshape(T, c.num_heads, c.head_dim) for t in qkv)
         fg = self.forget_gate
-        g_THK = kda_decay(rows.f.reshape(T, c.num_heads, c.head_dim), fg.A_log, fg.dt_bias)
-        return CoreInputs(q=l2_norm(q), k=l2_norm(k), v=v, g=g_THK, beta=torch.sigmoid(rows.b))
+        fused = self.kernels.fused_rowwise
+        g_THK = kda_decay(rows.f.reshape(T, c.num_heads, c.head_dim), fg.A_log, fg.dt_bias, fused=fused)
+        return CoreInputs(q=l2_norm(q, fused=fused), k=l2_norm(k, fused=fused), v=v, g=g_THK,
+                          beta=torch.sigmoid(rows.b))
 
     def output(self, o_THK: torch.Tensor, rows: KDARows) -> torch.Tensor:
         """Step 5 (per row): gated RMSNorm with sigmoid(gate), then o_proj -> `[T, D]`."""

@@ -27,6 +27,7 @@ from models.dtypes import upcast
 from models.ops import short_conv
 from models.ops.conv.recomputed_rows import RecomputedRows, conv_recomputed_rows
 from models.ops.dispatch import use_fla
+from models.ops.settings import KernelSettings
 
 if TYPE_CHECKING:
     from models.tree.layout import CoreCalls
@@ -56,6 +57,9 @@ class LinearAttention(nn.Module):
     """`models.ops` chunk op with the signature of `naive_chunk_kda` (set by the subclass)."""
     calls_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     """Fast path of `core_calls` where fla runs (`models.ops.kda.tree_calls.fla_kda_calls`); None: call by call."""
+    kernels: KernelSettings = KernelSettings()
+    """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it
+    (`HybridForCausalLM.use_kernels`)."""
 
     def __init__(self, conv_channels: int, conv_size: int, chunk_size: int):
         super().__init__()
@@ -147,12 +151,16 @@ class LinearAttention(nn.Module):
                 them.
             outside: `[Y, HV, K, V]` fp32 table entries 1..Y (differentiable; prefix carry), None when Y = 0.
         Returns: (o `[T, HV, V]`, the state table `[M, HV, K, V]` in the upcast dtype).
-        This call-by-call loop is the reference of `calls_op`.
+        Raises ValueError when the calls read another number of outside states or were planned for another chunk
+        size. This call-by-call loop is the reference of `calls_op`, which takes the calls' arrays.
         """
-        if self.calls_op is not None and use_fla(inputs.v):
-            return self.calls_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, calls, outside,
-                                 self.chunk_size)
         calls.check_outside(outside)
+        if calls.chunk_size != self.chunk_size:
+            raise ValueError(f"the calls are planned for chunk size {calls.chunk_size} and the mixer runs "
+                             f"{self.chunk_size}; plan them with the model's chunk size")
+        if self.calls_op is not None and use_fla(inputs.v):
+            return self.calls_op(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, outside, calls.cu_seqlens,
+                                 calls.chunk_indices, calls.chunk_offsets, calls.calls, calls.chains, calls.chunk_size)
         state_dtype = upcast(inputs.v.dtype)
         HV, K, V = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
         table = [inputs.v.new_zeros(HV, K, V, dtype=state_dtype)]  # [HV, K, V] each

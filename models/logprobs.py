@@ -12,7 +12,7 @@ into its shared row: (p - e_y1) + (p - e_y2), not one target's gradient times a 
 logits and the LM-head gradient are fp32 sums of the exact products, never rounded to the input dtype (on CUDA the
 GEMM writes fp32 and accumulates the gradient itself). On CUDA the passes over a chunk's fp32 logits run fused
 (`models.ops.logsoftmax`: one read forward for the log-sum-exp's sums, one read and one write of the gradient in the
-hidden states' dtype backward) unless `set_fused_rowwise(False)`.
+hidden states' dtype backward) where the caller asks for them (`fused`: a model's `KernelSettings.fused_rowwise`).
 
 With the LM head split by vocabulary (`VocabShards`), each shard computes its [R, V] logits and only per-row scalars
 cross shards: the row maximum (max), the sums of exp(logit - max) and, for the entropy, of exp(logit - max) *
@@ -36,7 +36,7 @@ CHUNK_BUDGET_BYTES = 512 * 2**20
 MAX_CHUNK_ROWS = 4096
 #: Bytes of logit gradients (in the hidden states' dtype) kept for one accumulation of the LM-head gradient: whole
 #: chunks, at least one. The accumulation reads and writes the [V, D] fp32 gradient, so with one chunk's few hundred
-#: rows it is bound by memory (0.77 ms per chunk on ling-3-tiny, at 266 TFLOP/s, on the H200).
+#: rows it is bound by memory (profiled: bench/RESULTS.md, "Profiled costs behind design choices").
 WEIGHT_GRAD_GROUP_BYTES = 2**30
 
 
@@ -78,8 +78,9 @@ class VocabShards:
 
 
 def _addmm_(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> None:
-    """acc += a @ b in place, with `acc` in the compute dtype (see `models.dtypes.mm_upcast`): on CUDA one cuBLAS call with beta = 1,
-    instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient: [V, D] per chunk)."""
+    """acc += a @ b in place, with `acc` in the compute dtype (see `models.dtypes.mm_upcast`): on CUDA one cuBLAS call
+    with beta = 1, instead of a product in the input dtype, its cast and an add over [M, N] (the LM-head gradient:
+    [V, D] per chunk)."""
     if a_MK.dtype == acc_MN.dtype:
         acc_MN.addmm_(a_MK, b_KN)
     elif a_MK.is_cuda and acc_MN.dtype == torch.float32:
@@ -109,8 +110,10 @@ def _validate(hidden_CD, weight_VD, logit_row_S, target_S, vocab_size):
             )
 
 
-def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
-    """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather."""
+def naive_compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False,
+                           fused=True):
+    """Reference with the signature of `compact_logprobs`: full [C, V] log-softmax, then a gather (`chunk_rows` and
+    `fused` are not read)."""
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, weight_VD.shape[0])
     logp_CV = torch.log_softmax(mm_upcast(hidden_CD, weight_VD.T, upcast(hidden_CD.dtype)), dim=-1)
     valid = logit_row_S >= 0
@@ -133,11 +136,12 @@ def _predictions_by_chunk(pred_row_P: torch.Tensor, U: int, chunk_rows: int) -> 
 class CompactLogprobsFunction(torch.autograd.Function):
     """Chunked log-softmax gather over the used rows `rows_U` with this shard's LM head `weight_VD`. Predictions
     are `pred_row_P` (index into rows_U) with targets `local_target_P` (rows of weight_VD), held by this shard where
-    `held_P` (None: all); `shards` reduces per-row and per-prediction scalars over the vocabulary shards."""
+    `held_P` (None: all); `shards` reduces per-row and per-prediction scalars over the vocabulary shards; `fused`:
+    the vocabulary passes on their fused kernels where they run (`models.ops.logsoftmax`)."""
 
     @staticmethod
     def forward(ctx, hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, chunk_rows, with_entropy,
-                shards):
+                shards, fused):
         cdt = upcast(hidden_CD.dtype)
         U = rows_U.numel()
         lse_U = torch.empty(U, dtype=cdt, device=hidden_CD.device)
@@ -153,7 +157,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
             max_R = logits_RV.amax(dim=-1)
             shards.max_(max_R)
             # Entropy = log Z - sum(e (l - max)) / Z: two non-negative terms, no cancellation.
-            sums = exp_sums(logits_RV, max_R, with_entropy)
+            sums = exp_sums(logits_RV, max_R, with_entropy, fused=fused)
             shards.sum_(sums)
             log_z_R = sums[0].log()
             lse_U[a:b] = max_R + log_z_R
@@ -166,6 +170,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
         ctx.chunk_rows = chunk_rows
         ctx.bounds = bounds
         ctx.with_entropy = with_entropy
+        ctx.fused = fused
         logprob_P = tgt_P - lse_U[pred_row_P]
         if with_entropy:
             return logprob_P, ent_U[pred_row_P]
@@ -204,6 +209,7 @@ class CompactLogprobsFunction(torch.autograd.Function):
                 mm_upcast(h, weight_VD.T, cdt), lse_U[a:b], g_U[a:b], pred_row_P[sel] - a, local_target_P[sel],
                 donehot_P[sel], None if ge_U is None else ge_U[a:b], None if ge_U is None else ent_U[a:b],
                 hidden_CD.dtype, None if group_dlogits is None else group_dlogits[a - start : b - start],
+                fused=ctx.fused,
             )
             if dhidden_CD is not None:
                 dhidden_CD.index_add_(0, rows_U[a:b], dlogits @ weight_VD)
@@ -211,18 +217,19 @@ class CompactLogprobsFunction(torch.autograd.Function):
                 _addmm_(dweight_VD, group_dlogits[: b - start].T, hidden_CD[rows_U[start:b]])
         if dweight_VD is not None:
             dweight_VD = dweight_VD.to(weight_VD.dtype)
-        return dhidden_CD, dweight_VD, None, None, None, None, None, None, None
+        return dhidden_CD, dweight_VD, None, None, None, None, None, None, None, None
 
 
 def sharded_compact_logprobs(
     hidden_CD, weight_VD, logit_row_S, target_S, shards: VocabShards, *, chunk_rows=None, entropy=False,
-    full_chunks=None,
+    full_chunks=None, fused=True,
 ):
     """`compact_logprobs` with `weight_VD` this shard's LM-head rows of the split `shards` (targets are global ids;
     the default `chunk_rows` budgets [rows, V] chunks of this shard). Every shard must make the call with the same
     `hidden_CD`, `logit_row_S` and `target_S`; results are identical on all of them, and the gradient of
     `hidden_CD` is this shard's part (the caller sums it over shards). `full_chunks` (bool or None): run every
-    chunk with exactly `chunk_rows` rows (`whole_chunks`); None = on CUDA (tests force it on the CPU)."""
+    chunk with exactly `chunk_rows` rows (`whole_chunks`); None = on CUDA (tests force it on the CPU). `fused` as in
+    `compact_logprobs`."""
     V = weight_VD.shape[0]
     _validate(hidden_CD, weight_VD, logit_row_S, target_S, shards.vocab_size(V))
     if chunk_rows is None:
@@ -236,7 +243,8 @@ def sharded_compact_logprobs(
         rows_U = whole_chunks(rows_U, int(chunk_rows))
     local_target_P, held_P = shards.local_targets(target_S[valid], V)
     result = CompactLogprobsFunction.apply(
-        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, int(chunk_rows), bool(entropy), shards
+        hidden_CD, weight_VD, rows_U, pred_row_P, local_target_P, held_P, int(chunk_rows), bool(entropy), shards,
+        bool(fused),
     )
     outputs = result if entropy else (result,)
     full = []
@@ -249,7 +257,7 @@ def sharded_compact_logprobs(
 _WHOLE_VOCABULARY = VocabShards()
 
 
-def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False):
+def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=None, entropy=False, fused=True):
     """Per-semantic-position log-probabilities from compact hidden states.
 
     Args:
@@ -262,11 +270,14 @@ def compact_logprobs(hidden_CD, weight_VD, logit_row_S, target_S, *, chunk_rows=
             On CUDA every chunk runs with exactly this many rows (`whole_chunks`: a given value sets the scratch
             memory, [chunk_rows, V] fp32), so a row's log-prob does not depend on the other rows of the call.
         entropy: also return the entropy of each position's predictive distribution.
+        fused: the vocabulary passes on their fused kernels where they run (`models.ops.logsoftmax`; a model's
+            `KernelSettings.fused_rowwise`).
     Returns:
         logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested. Rows that no position reads are
         never multiplied by the LM head.
     Reference: `naive_compact_logprobs` (same signature). Vocabulary-sharded LM head: `sharded_compact_logprobs`.
     """
     return sharded_compact_logprobs(
-        hidden_CD, weight_VD, logit_row_S, target_S, _WHOLE_VOCABULARY, chunk_rows=chunk_rows, entropy=entropy
+        hidden_CD, weight_VD, logit_row_S, target_S, _WHOLE_VOCABULARY, chunk_rows=chunk_rows, entropy=entropy,
+        fused=fused,
     )

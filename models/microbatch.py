@@ -1,12 +1,15 @@
-"""Microbatch preparation, the one home: trajectories -> trie -> call plan -> TreeLayout, plus the loss inputs.
+"""Microbatches: the one microbatch type every runner executes, HARTS microbatch preparation (trajectories -> trie
+-> call plan -> TreeLayout), and the loss inputs.
 
 Legend: S semantic positions of a microbatch (original order), C compact rows.
 
-`prepare_microbatch` is what every caller uses (the trainer's ranks through `parallel.replica`, the benchmarks,
-the tests): pack the trajectories (`planner.pack`), plan the linear-attention calls with the model's chunk size
-(`planner.calls.plan`), build the device tensors every layer reads (`models.tree.layout.TreeLayout`) and, when the
-step's normalisers are given, the per-position tensors of the loss (`LossInputs`). A `Microbatch` carries all of
-them, so a loss reads its inputs from the microbatch it is handed.
+A `Microbatch` executes parts of packed tries (`parts`, `batches`), holds the device tensors every layer reads
+(`layout`), the per-position tensors of its loss (`loss`, so a loss reads its inputs from the microbatch it is
+handed) and, under prefix carry, its links to the step's other microbatches (`links`). `prepare_microbatch` makes
+a HARTS one: pack the trajectories once (`planner.pack`; as their trie, or as their flat expansion where the plan
+says so), plan the linear-attention calls with the model's chunk size (`planner.calls.plan`) and build the layout
+(`models.tree.layout.TreeLayout`); the trainer's ranks reach it through `parallel.replica.prepare_step`, the
+benchmarks and tests directly. Carry microbatches come from `models.carry_microbatch`.
 
 Loss weights: the loss of a microbatch must already be divided by the normalisers of the WHOLE step (all
 microbatches of all replicas), so that the step loss is the sum of the microbatch losses and its gradient is the
@@ -23,9 +26,9 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig
+from models.tree.carry_microbatch_layout import CarryLinks, Part
 from models.tree.layout import TreeLayout
 from planner.calls.plan import ExecutionPlan, plan_calls
-from planner.cost_model import CostModel
 from planner.pack import CompactBatch, pack
 from planner.trajectory import Trajectory
 
@@ -109,29 +112,44 @@ class LossInputs:
 
 @dataclass(eq=False)
 class Microbatch:
-    """One microbatch packed for tree execution on the trainer device."""
+    """One microbatch of a step on the trainer device, whatever the planner mode.
 
-    batch: CompactBatch
-    """The trie of the microbatch's trajectories and their per-position metadata (numpy, original order)."""
+    A HARTS microbatch (`prepare_microbatch`) is one part, all rows of the trie of its trajectories (or of their
+    flat expansion), scores every position of it and has no links: it runs on its own, forward then backward. A carry
+    microbatch (`models.carry_microbatch`) holds ranges of trees' tries, scores the positions whose logit rows it
+    holds, and reads context from earlier microbatches through its links.
+    """
+
+    parts: tuple[Part, ...]
+    """Its parts: the unit (`Part.tree`: a tree of a carry step, 0 for a HARTS microbatch's own trajectories) and
+    the rows [start, stop) of the unit's trie in preorder."""
+    batches: tuple[CompactBatch, ...]
+    """Per part: its unit packed (`planner.pack.pack`; per-position metadata in original order)."""
+    scored: tuple[np.ndarray, ...]
+    """Per part: the positions of its unit's semantic arrays scored here (ascending); log-probs come in this order."""
     call_plan: ExecutionPlan
     """Its minimum-call plan (physical row order, rounds, replay; numpy)."""
     layout: TreeLayout
     """What every layer of tree execution reads (device tensors, physical row order)."""
     loss: LossInputs | None = None
-    """The loss inputs under the step's normalisers; None when prepared without them (scoring, benchmarks)."""
+    """The loss inputs `[S]` under the step's normalisers; None when prepared without them (scoring, benchmarks)."""
+    links: CarryLinks | None = None
+    """What it imports from earlier microbatches and exports to later ones (prefix carry: its layout is laid out
+    around them, and it runs under a `models.tree.carry_exchange.CarryContext`); None for a HARTS microbatch, which
+    runs under a plain `models.tree.mixers.TreeContext`."""
     flat: bool = False
-    """Run as its flat expansion (`planner.pack.pack(share=False)`: trajectory-wise, nothing shared), because the
-    cost model predicted the trie slower (`prepare_microbatch`'s `cost`) or the caller asked for it."""
+    """Run as its flat expansion (`planner.pack.pack(share=False)`: trajectory-wise, nothing shared), as the plan
+    said (`planner.microbatch.flat`) or the caller asked."""
 
     @property
     def num_compact(self) -> int:
         """Compact rows the microbatch executes."""
-        return self.batch.num_compact
+        return sum(p.stop - p.start for p in self.parts)
 
     @property
     def num_semantic(self) -> int:
         """Semantic positions it scores."""
-        return self.batch.num_semantic
+        return sum(int(s.size) for s in self.scored)
 
     @property
     def linear_attention_calls(self) -> int:
@@ -148,15 +166,11 @@ def prepare_microbatch(
     normalizer: StepNormalizer | None = None,
     aggregation: Aggregation = "token-mean",
     replay: bool = True,
-    cost: CostModel | None = None,
-    capacity: int | None = None,
-    share: bool = True,
+    flat: bool = False,
 ) -> Microbatch:
-    """Pack `trajectories` into a trie, plan its tree execution with the model's chunk size and conv width, and
-    (with the step's `normalizer`) build its loss inputs. With a `cost` model and the microbatch `capacity`, a trie
-    it predicts slower than its flat expansion, when that expansion fits the capacity (`CostModel.runs_flat` of its
-    rows, view rows and semantic tokens), is packed unshared instead: the same log-probs, losses and gradients,
-    trajectory-wise.
+    """Pack `trajectories` once, into a trie or (`flat`) their flat expansion, plan its tree execution with the
+    model's chunk size and conv width, and (with the step's `normalizer`) build its loss inputs. Trie and flat
+    expansion give the same log-probs, losses and gradients.
 
     Args:
         trajectories: the microbatch's trajectories (any order; the trie is built in lexicographic order).
@@ -165,18 +179,11 @@ def prepare_microbatch(
         normalizer: the step's global counts (sum of `trained_counts` over every microbatch of every replica).
         aggregation: how `token_weights` averages the loss.
         replay: linear-attention replay of [a(p), p) for forks inside chunks (HARTS); False only for the ablation.
-        cost, capacity: decide tree or flat execution (both or neither); None: the trie.
-        share: False runs the flat expansion whatever `cost` says (benchmarks timing it).
+        flat: run the flat expansion (the plan's choice in auto mode, `PlannedMicrobatch.flat`; benchmarks).
     """
-    if (cost is None) != (capacity is None):
-        raise ValueError("prepare_microbatch: give `cost` and `capacity` together (the flat expansion must fit)")
-    batch = pack(trajectories, share=share)
+    batch = pack(trajectories, share=not flat)
     plan = plan_calls(batch, model.chunk_size, replay=replay)
-    flat = not share or cost is not None and cost.runs_flat(batch.num_compact, plan.view_rows(batch.positions),
-                                                            batch.num_semantic, capacity)
-    if flat and share:
-        batch = pack(trajectories, share=False)
-        plan = plan_calls(batch, model.chunk_size, replay=replay)
     layout = TreeLayout.build(batch, plan, model.conv_size, device)
     loss = None if normalizer is None else LossInputs.build(batch, normalizer, aggregation, device)
-    return Microbatch(batch, plan, layout, loss, flat)
+    return Microbatch((Part(0, 0, batch.num_compact),), (batch,), (np.arange(batch.num_semantic),), plan, layout,
+                      loss, flat=flat)

@@ -22,6 +22,7 @@ from torch import nn
 from models.attention_core import AttentionRows, attention
 from models.config import MLAConfig
 from models.norms import RMSNorm
+from models.ops.settings import KernelSettings
 from models.rope import apply_rope, rope_cos_sin
 
 
@@ -39,6 +40,10 @@ class MLALatents:
 
 class MLA(nn.Module):
     """Steps: `latents` (per row) -> `decompress` (per row) -> `core` -> `output`. `project` = latents + decompress."""
+
+    kernels: KernelSettings = KernelSettings()
+    """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it
+    (`HybridForCausalLM.use_kernels`)."""
 
     def __init__(self, config: MLAConfig, hidden_size: int, zero_centered_norm: bool):
         super().__init__()
@@ -91,7 +96,7 @@ class MLA(nn.Module):
 
     def core(self, q_QHK: torch.Tensor, k_SHK: torch.Tensor, v_SHV: torch.Tensor, mask) -> torch.Tensor:
         """softmax(q k^T / sqrt(Kqk)) v under `mask` -> `[Q, H, V]`."""
-        return attention(q_QHK, k_SHK, v_SHV, mask, self.scale)
+        return attention(q_QHK, k_SHK, v_SHV, mask, self.scale, self.kernels.attention)
 
     def output(self, o_THV: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         """Per-row step: o_proj of the concatenated heads -> `[T, D]`."""

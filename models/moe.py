@@ -2,10 +2,10 @@
 
 Legend: T tokens (rows), D model dim, E experts, k experts per token, F expert hidden width.
 
-Routing (per row, in fp32; float64 for float64 models): logits = W x; scores s = softmax(logits) or sigmoid(logits); the k experts maximise
-s + b (b = `e_score_correction_bias` when `expert_bias`, else 0; with `num_groups` > 1 only inside the `topk_groups`
-groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, divided by their sum when
-`norm_topk_prob`, times `routed_scaling_factor`. Output = sum_e w_e expert_e(x) + shared(x), where shared(x) is
+Routing (per row, in fp32; float64 for float64 models): logits = W x; scores s = softmax(logits) or sigmoid(logits); the
+k experts maximise s + b (b = `e_score_correction_bias` when `expert_bias`, else 0; with `num_groups` > 1 only inside
+the `topk_groups` groups with the largest sums of their top-2 s + b); combine weights w_e = s_e, divided by their sum
+when `norm_topk_prob`, times `routed_scaling_factor`. Output = sum_e w_e expert_e(x) + shared(x), where shared(x) is
 scaled by sigmoid(shared_expert_gate x) when gated. This reproduces transformers' Qwen3NextSparseMoeBlock (softmax,
 gated shared expert) and KimiLinearMoE (sigmoid, bias, scaling, ungated shared experts).
 
@@ -43,6 +43,7 @@ from models.dtypes import mm_upcast, upcast
 from models.experts import expert_swiglu
 from models.ffn import SwiGLU
 from models.ops.combine import moe_combine
+from models.ops.settings import KernelSettings
 
 
 @dataclass
@@ -160,8 +161,8 @@ class _BF16RouterLogits(torch.autograd.Function):
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` -> `[T, E]` fp32 (float64 for float64), as GEMMs of exactly `ROUTER_BLOCK_ROWS` rows each
     (see the module docstring): bf16 rows and weights run `_BF16RouterLogits` (on CUDA bf16 GEMMs writing fp32, in
-    place of fp32 GEMMs on upcast copies: 76 ms of a 60,664-row flat ling-3-tiny microbatch at 26-57 TFLOP/s on the
-    H200), other dtypes the reference `naive_router_logits`."""
+    place of slower fp32 GEMMs on upcast copies: bench/RESULTS.md, "Profiled costs behind design choices"), other
+    dtypes the reference `naive_router_logits`."""
     if x_TD.dtype == torch.bfloat16 and weight_ED.dtype == torch.bfloat16:
         return _BF16RouterLogits.apply(x_TD, weight_ED)
     return naive_router_logits(x_TD, weight_ED)
@@ -224,29 +225,36 @@ class Router(nn.Module):
 class _DispatchRows(torch.autograd.Function):
     """x `[T, D]` -> its k routed copies `[M, D]` in expert order (`x[row_M]`); backward sums each row's k copy
     gradients with the combine (`moe_combine` with unit weights, slots `slot_Tk`: an fp32 sum in slot order, one
-    rounding, no atomics), in place of the gather's accumulating scatter (1.9 ms per ling-3-tiny MoE layer of a
-    60,664-row microbatch on the H200)."""
+    rounding, no atomics; fused where `fused`), in place of the gather's slower accumulating scatter
+    (bench/RESULTS.md, "Profiled costs behind design choices")."""
 
     @staticmethod
-    def forward(ctx, x_TD, row_M, slot_Tk):
+    def forward(ctx, x_TD, row_M, slot_Tk, fused):
         ctx.save_for_backward(slot_Tk)
+        ctx.fused = fused
         return x_TD[row_M]
 
     @staticmethod
     def backward(ctx, dy_MD):
         (slot_Tk,) = ctx.saved_tensors
         ones_Tk = torch.ones(slot_Tk.shape, dtype=upcast(dy_MD.dtype), device=dy_MD.device)
-        return moe_combine(dy_MD, slot_Tk, ones_Tk), None, None
+        return moe_combine(dy_MD, slot_Tk, ones_Tk, fused=ctx.fused), None, None, None
 
 
-def dispatch_rows(x_TD: torch.Tensor, row_M: torch.Tensor, slot_Tk: torch.Tensor) -> torch.Tensor:
+def dispatch_rows(x_TD: torch.Tensor, row_M: torch.Tensor, slot_Tk: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """The routed copies `x[row_M]` `[M, D]` of rows `[T, D]`; `slot_Tk` `[T, k]` the copy of each (row, choice),
-    the inverse of `row_M`. Backward sums each row's k copy gradients with the combine (`_DispatchRows`)."""
-    return _DispatchRows.apply(x_TD, row_M, slot_Tk)
+    the inverse of `row_M`. Backward sums each row's k copy gradients with the combine (`_DispatchRows`; its fused
+    kernel where `fused`: a model's `KernelSettings.fused_rowwise`)."""
+    return _DispatchRows.apply(x_TD, row_M, slot_Tk, fused)
 
 
 class Experts(nn.Module):
-    """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first), `down_proj [E, D, F]`."""
+    """Routed experts as transformers 5 stores them: `gate_up_proj [E, 2F, D]` (gate rows first),
+    `down_proj [E, D, F]`."""
+
+    kernels: KernelSettings = KernelSettings()
+    """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it
+    (`HybridForCausalLM.use_kernels`)."""
 
     def __init__(self, config: MoEConfig, hidden_size: int):
         super().__init__()
@@ -258,7 +266,7 @@ class Experts(nn.Module):
         """sum over the k chosen experts of weight * expert(x) -> `[T, D]` in x.dtype.
 
         The k weighted expert outputs of a row are summed in the upcast dtype in a fixed order
-        (`models.ops.combine.moe_combine`, one fused pass on CUDA unless `set_fused_rowwise(False)`): a permutation
+        (`models.ops.combine.moe_combine`, one fused pass on CUDA unless `kernels.fused_rowwise` is off): a permutation
         back to (row, slot) order replaces an atomic scatter-add, so CUDA results are deterministic and bf16 rows are
         rounded once, not once per expert.
         """
@@ -271,8 +279,10 @@ class Experts(nn.Module):
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
         slot_Tk = slot_of_row.view(T, k)
-        y_MD = expert_swiglu(dispatch_rows(x_TD, order // k, slot_Tk), self.gate_up_proj, self.down_proj, counts_E)
-        return moe_combine(y_MD, slot_Tk, routing.weights)
+        fused = self.kernels.fused_rowwise
+        y_MD = expert_swiglu(dispatch_rows(x_TD, order // k, slot_Tk, fused), self.gate_up_proj, self.down_proj,
+                             counts_E, fused=fused)
+        return moe_combine(y_MD, slot_Tk, routing.weights, fused=fused)
 
 
 class MoE(nn.Module):

@@ -10,16 +10,21 @@ from torch import nn
 
 from models.ops import gated_rms_norm
 from models.ops.rmsnorm import rms_norm
+from models.ops.settings import KernelSettings
 
 
 class RMSNorm(nn.Module):
     """y = s / rms(s) * scale of s = x (+ residual), computed in fp32 (float64 for float64) and cast back to x.dtype
-    (`models.ops.rmsnorm`: a fused Triton pass on CUDA unless `set_fused_rowwise(False)`, plain torch otherwise).
+    (`models.ops.rmsnorm`: a fused Triton pass on CUDA unless `kernels.fused_rowwise` is off, plain torch otherwise).
 
     scale = 1 + weight with weight initialised to 0 when `zero_centered` (Qwen3-Next's `Qwen3NextRMSNorm`), else
     weight initialised to 1 (Kimi-Linear's `KimiLinearRMSNorm`, which casts before multiplying by the weight; the two
     orders agree exactly in fp32 and to one rounding in bf16).
     """
+
+    kernels: KernelSettings = KernelSettings()
+    """Which kernels its ops run (`models.ops.settings`); the model it belongs to sets it
+    (`HybridForCausalLM.use_kernels`)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool):
         super().__init__()
@@ -35,7 +40,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x `[..., D]` -> y `[..., D]`; with a residual `[..., D]` -> (y, s): the norm of s = x + residual (rounded
         to x.dtype, the stream the decoder carries on) and s itself."""
-        y, s = rms_norm(x_TD, self.weight, self.eps, self.zero_centered, residual_TD)
+        y, s = rms_norm(x_TD, self.weight, self.eps, self.zero_centered, residual_TD,
+                        fused=self.kernels.fused_rowwise)
         return y if residual_TD is None else (y, s)
 
     def extra_repr(self) -> str:

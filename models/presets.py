@@ -60,7 +60,8 @@ def tiny_kimi_linear() -> ModelConfig:
         hidden_size=256,
         layer_types=(LINEAR, LINEAR, LINEAR, FULL),
         ffn_types=("dense", "moe", "moe", "moe"),
-        full_attention=MLAConfig(num_heads=4, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+        full_attention=MLAConfig(num_heads=4, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                 v_head_dim=64),
         linear_attention=KDAConfig(num_heads=4, head_dim=64),
         dense_ffn=DenseFFNConfig(intermediate_size=512),
         moe=MoEConfig(

@@ -145,10 +145,11 @@ class SelectiveRecompute:
     a MoE layer's activations (the k routed copies of every row, their gate|up and SwiGLU outputs, the expert
     outputs before the combine: each k times a row's width or more) for a small share of its time, so part "ffn"
     with the default `save` frees most of that memory for little compute; saving "experts" keeps more than half of
-    it again (see `save`). The full-attention kernel is the costliest op to repeat (flash attention: 31% of a flat
-    ling-3-tiny step on the H200), and its output and log-sum-exp are one row's width: "attention" in `save`, or
-    only "linear_attention" in `layers`, removes the largest recompute cost for little memory. Measure with
-    `python -m bench.speed --recompute ...` (seconds and peak GiB per option).
+    it again (see `save`). The full-attention kernel is the costliest op to repeat (its share of a flat step:
+    bench/RESULTS.md, "GPU: where a step's time goes"), and its output and log-sum-exp are one row's width:
+    "attention" in `save`, or only "linear_attention" in `layers`, removes the largest recompute cost for little
+    memory. Measure with `python -m bench.speed --recompute ...` (seconds and peak GiB per option; measured options:
+    bench/RESULTS.md, "GPU: recomputation options").
     """
 
     layers: tuple[LayerType, ...] = ("linear_attention", "full_attention")

@@ -15,7 +15,7 @@ back with `torch.load(weights_only=False)`, and its `.metadata` file is a pickle
 - DCP reads the tensors themselves with `torch.load(weights_only=True)`.
 
 `build_optimizers`: torchtitan's `OptimizersContainer` (AdamW over the DTensor parameters) for the distributed
-trainer; torchtitan is imported there only (torch >= 2.13 with triton; see README "Distributed training").
+trainer; torchtitan is imported there only (torch >= 2.13 with triton; see docs/distributed.md).
 """
 
 from __future__ import annotations

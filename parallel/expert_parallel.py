@@ -70,8 +70,9 @@ class EPExperts(LocalParams, Experts):
         slot_of_row = torch.empty_like(order)
         slot_of_row[order] = torch.arange(order.numel(), device=order.device)
         slot_Tk = slot_of_row.view(T, k)
-        y_MD = self.dispatched_swiglu(dispatch_rows(x_TD, order // k, slot_Tk), counts_E)
-        return moe_combine(y_MD, slot_Tk, routing.weights)
+        fused = self.kernels.fused_rowwise
+        y_MD = self.dispatched_swiglu(dispatch_rows(x_TD, order // k, slot_Tk, fused), counts_E)
+        return moe_combine(y_MD, slot_Tk, routing.weights, fused=fused)
 
     def dispatched_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Pairs `[M, D]` sorted by expert, counts `[E]` -> expert outputs `[M, D]` in the same order."""
@@ -86,7 +87,8 @@ class EPExperts(LocalParams, Experts):
         local_expert = torch.repeat_interleave(torch.arange(El, device=x_RD.device).repeat(ep), recv_JE.reshape(-1))
         perm = torch.argsort(local_expert, stable=True)
         if x_RD.shape[0]:
-            y_RD = expert_swiglu(x_RD[perm], self.gate_up_proj, self.down_proj, recv_JE.sum(0))
+            y_RD = expert_swiglu(x_RD[perm], self.gate_up_proj, self.down_proj, recv_JE.sum(0),
+                                 fused=self.kernels.fused_rowwise)
         else:
             # No pairs for this rank's experts: an empty product with the expert weights keeps the autograd graph
             # as on the other ranks (the backward all-to-alls and FSDP2's gradient reduction must run everywhere).

@@ -1,10 +1,9 @@
-"""Saved activations of a microbatch parked in host memory between its forward and its backward (prefix carry,
-issue #17).
+"""Saved activations of a microbatch parked in host memory between its forward and its backward (prefix carry).
 
 A carry microbatch whose rows later microbatches read stays open while they run: its backward comes after theirs.
 Under full-layer recomputation what it holds is its layer inputs (`[C, D]` per layer: ling-3-tiny 24 x 1,536 bf16,
 73.7 KB per row, 4.1 GB at 55,752 rows) and the saved tensors of its embedding, final norm and log-probs. On full
-SWE-like steps a replica can have up to 10 microbatches open at once (bench/RESULTS.md), so `CarryRunner` keeps
+SWE-like steps a replica can have up to 10 microbatches open at once (bench/RESULTS.md), so `PlainRunner` keeps
 the activations of at most `resident` open microbatches on the device and moves the others' to pinned host memory
 under `host_offload()`, copying them back when autograd unpacks them in the backward.
 

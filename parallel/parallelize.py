@@ -11,7 +11,7 @@ Why this order (torchtitan's `parallelize_qwen3` uses the same):
 - Compile after checkpointing and before FSDP2, so compiled regions hold model math only and FSDP2's hooks stay
   outside them.
 - FSDP2 last: it wraps the finished modules, and its units (layers, experts, root) are the modules tree execution
-  calls (`model(layout, ...)`, then each layer from the model's layer loop).
+  calls (`model(ctx, ...)`, then each layer from the model's layer loop).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def apply_compile(model: HybridForCausalLM, backend: str) -> None:
 def parallelize_hybrid(model: HybridForCausalLM, meshes: ParallelMeshes, config: ParallelConfig) -> HybridForCausalLM:
     """Wrap `model` in place for `meshes` (built from the same resolved `config`) and return it.
 
-    After this, run microbatches with `parallel.plain_runner.PlainRunner` (or `models.tree.execute.tree_logprobs`);
+    After this, run steps with `parallel.plain_runner.PlainRunner` (or call `model(TreeContext(layout), ...)`);
     the parameters are DTensors (save them with `parallel.checkpoint`).
     """
     config.validate(model.config)

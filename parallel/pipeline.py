@@ -60,7 +60,7 @@ def unpack_stats(packed: torch.Tensor | None, num_experts: int) -> list[MoEStats
 
 class PipelinePart(nn.Module):
     """One stage: the embedding (first), decoder layers, final norm and LM head (last), under the whole model's
-    parameter names. Shares its modules with the model it was cut from."""
+    parameter names. Shares its modules with the model it was cut from, and runs its kernels (`model.kernels`)."""
 
     def __init__(self, model: HybridForCausalLM, layers: range, first: bool, last: bool):
         super().__init__()
@@ -72,6 +72,7 @@ class PipelinePart(nn.Module):
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
         self.is_first, self.is_last = first, last
+        self.kernels = model.kernels
         self.num_experts = model.config.moe.num_experts if model.config.moe is not None else 0
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None, *, ctx: TreeContext,
@@ -80,7 +81,7 @@ class PipelinePart(nn.Module):
         """x: token ids `[Cm]` (first stage) or hidden rows `[Cm, D]`; stats: packed MoE statistics of the layers
         before, if any. Returns (hidden `[Cm, D]`, [stats]) to the next stage, or on the last stage (log-probs `[S]`
         of softmax(logits / temperature), final-normed hidden `[C, D]`, [entropies `[S]`], [stats of all MoE
-        layers]): what `HybridForCausalLM.tree_forward(..., temperature=...)` returns to the loss."""
+        layers]): what `HybridForCausalLM.forward(ctx, temperature=...)` returns to the loss."""
         C = ctx.layout.tokens.shape[0]
         h_CD = self.model.embed_tokens(x[:C]) if self.is_first else x[:C]
         h_CD, layer_stats = run_layers(self.model.layers.values(), h_CD, ctx)
@@ -91,7 +92,8 @@ class PipelinePart(nn.Module):
         hidden_CD = self.model.norm(h_CD)
         layout = ctx.layout
         result = compact_logprobs(temperature_scaled(hidden_CD, temperature), self.lm_head.weight, layout.logit_row,
-                                  layout.target, chunk_rows=chunk_rows, entropy=entropy)
+                                  layout.target, chunk_rows=chunk_rows, entropy=entropy,
+                                  fused=self.kernels.fused_rowwise)
         logprobs_S, *entropy_S = result if entropy else (result,)
         return (logprobs_S, hidden_CD, *entropy_S, *packed)
 

@@ -3,10 +3,11 @@
 
 Legend: C compact rows of a microbatch, Cm the largest C of the step on this replica, S semantic positions.
 
-Per-microbatch inputs: every pp rank of a replica holds the replica's microbatches prepared (`parallel.replica`:
-the planner is deterministic, so all ranks hold the same ones); the schedule gets them as per-microbatch lists,
-`arg_mbs` (the first stage's token ids) and `kwarg_mbs` (the TreeContext and log-prob options, given to every
-stage). The loss callback runs on the last stage.
+Per-microbatch inputs: every pp rank of a replica holds the replica's step prepared (`parallel.replica.prepare_step`:
+the planner is deterministic, so all ranks hold the same one); the schedule gets its microbatches as per-microbatch
+lists, `arg_mbs` (the first stage's token ids) and `kwarg_mbs` (the TreeContext and log-prob options, given to every
+stage). The loss callback runs on the last stage. The schedule orders the forwards and backwards, so a step whose
+microbatches carry context (prefix carry: its own event order, carried rows between microbatches) is refused.
 
 Varying C (measured on torch 2.14.1, gloo): a stage's receive buffers are allocated once per schedule from one
 shape, either given (static metadata) or inferred from the first microbatch (dynamic inference, which also runs an
@@ -34,19 +35,20 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 
 from models.decoder import DecoderLayer, TreeLMOutput
 from models.microbatch import Microbatch
+from models.step import Step
 from models.tree.attention import Backend
 from models.tree.mixers import TreeContext
 from parallel.grad_norm import clip_grad_norm_
 from parallel.pipeline import PipelinedCausalLM, unpack_stats
-from parallel.runner import MicrobatchLoss, StepMetrics, check_microbatches, step_metrics
+from parallel.runner import MicrobatchLoss, StepMetrics, check_step, step_metrics
 
 __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
-    """Runs microbatches through this rank's pipeline stages. Arguments as `parallel.plain_runner.PlainRunner`;
-    `model` is the PipelinedCausalLM. Results (StepMetrics, scores, the gradient norm) are the same on every pp
-    rank."""
+    """Runs steps through this rank's pipeline stages. Arguments as `parallel.plain_runner.PlainRunner`'s but
+    `resident` (nothing stays open between microbatches); `model` is the PipelinedCausalLM. Results (StepMetrics,
+    scores, the gradient norm) are the same on every pp rank."""
 
     def __init__(self, model: PipelinedCausalLM, *, dp_group: dist.ProcessGroup | None = None,
                  attention_backend: Backend = "dense", chunk_rows: int | None = None) -> None:
@@ -69,6 +71,16 @@ class PipelineRunner:
             return cls(stages, n_microbatches=n_microbatches, loss_fn=sink, scale_grads=False)
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=sink, scale_grads=False)
 
+    def _check(self, step: Step) -> None:
+        """The checks of `parallel.runner.check_step`, and a step that carries nothing between microbatches."""
+        if step.carries:
+            raise NotImplementedError(
+                "the step's microbatches carry context (prefix carry), which pipeline stages do not: the schedule "
+                "orders forwards and backwards itself; plan the step with planner.mode = 'duplicate' or 'auto' "
+                "(under pipeline parallelism 'auto' plans as 'duplicate')"
+            )
+        check_step(step, self.dp_group, self.model.device)
+
     def _run(self, microbatches: Sequence[Microbatch], sink, *, train: bool, temperature: float,
              entropy: bool) -> float:
         """One pass of the schedule over the microbatches (forward and backward if `train`, else forward only);
@@ -81,7 +93,7 @@ class PipelineRunner:
                 f"`parallel.pp` = {self.model.num_stages}: plan more microbatches (smaller planner capacity) or set "
                 "`parallel.pp_schedule` = 'Interleaved1F1B'"
             )
-        rows = max(mb.batch.num_compact for mb in microbatches)
+        rows = max(mb.num_compact for mb in microbatches)
         n = len(microbatches)
         schedule = self._schedule(rows, n, entropy, sink)
         tokens = [(F.pad(mb.layout.tokens, (0, rows - mb.layout.tokens.shape[0])),) for mb in microbatches]
@@ -123,12 +135,13 @@ class PipelineRunner:
         dist.broadcast_object_list(box, group=model.pp_group, group_src=model.last_stage_rank)
         return box[0]
 
-    def train_step(self, microbatches: Sequence[Microbatch], loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
+    def train_step(self, step: Step, loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
                    entropy: bool = False) -> StepMetrics:
         """See `parallel.runner.StepRunner.train_step`. `forward_seconds`: this rank's stage forwards and losses;
         `backward_seconds`: the rest of the schedule (backward, recomputation, waiting for neighbouring stages)."""
         model = self.model
-        check_microbatches(microbatches, self.dp_group, model.device)
+        self._check(step)
+        microbatches = step.microbatches
         results: list[tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]] = []
         loss_seconds = [0.0]
 
@@ -161,9 +174,10 @@ class PipelineRunner:
         )
 
     @torch.no_grad()
-    def score(self, microbatches: Sequence[Microbatch], *, temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(self, step: Step, *, temperature: float = 1.0) -> list[torch.Tensor]:
         """See `parallel.runner.StepRunner.score` (forward-only schedule; returned on every pp rank)."""
-        check_microbatches(microbatches, self.dp_group, self.model.device)
+        self._check(step)
+        microbatches = step.microbatches
         scored: list[torch.Tensor] = []
 
         def sink(outputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:

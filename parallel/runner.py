@@ -1,15 +1,15 @@
 """The step runner contract: how the trainer runs one optimizer step's microbatches on this rank, whatever the model's
-wrapping. `parallel.plain_runner.PlainRunner` (one process, or TP/EP/FSDP2 ranks) and
+wrapping. `parallel.plain_runner.PlainRunner` (the whole model: one process, or TP/EP/FSDP2 ranks) and
 `parallel.pipeline_runner.PipelineRunner` (this rank's pipeline stages) implement it; the trainer builds the one
 its launch needs once and calls nothing else (the way vLLM's engine drives any `WorkerBase`).
 
 Legend: S semantic positions of a microbatch, E experts.
 
-Per step, in the planner's slot order (the same number of microbatches on every replica, so the collectives of
-FSDP2 / EP line up): tree log-probs of softmax(logits / temperature) -> loss -> backward, gradients accumulating
-in the parameters (the caller zeroes them before and steps the optimizer after). `score` runs the forward without
-a graph (old or reference log-probs). Microbatches come prepared (`models.microbatch.prepare_microbatch`, per
-replica `parallel.replica.prepare_replica`), each with its own loss inputs.
+Per step, a `models.step.Step` (its microbatches in slot order and their forward and backward events, one type for
+every planner mode; the same kinds of events on every replica, so the collectives of FSDP2 / EP line up): tree
+log-probs of softmax(logits / temperature) -> loss -> backward, gradients accumulating in the parameters (the caller
+zeroes them before and steps the optimizer after). `score` runs the forwards without a graph (old or reference
+log-probs). Steps come prepared (`parallel.replica.prepare_step`), each microbatch with its own loss inputs.
 
 Loss scaling: the loss of a microbatch is already divided by normalisers of the WHOLE step
 (`models.microbatch.token_weights`). The step loss is then the sum of the microbatch losses over replicas,
@@ -19,6 +19,7 @@ whole step.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,8 +30,9 @@ from torch import nn
 
 from models.decoder import DecoderLayer, TreeLMOutput
 from models.microbatch import Microbatch
+from models.step import Step
 
-__all__ = ["MicrobatchLoss", "StepMetrics", "StepRunner", "StepSums", "check_microbatches", "step_metrics"]
+__all__ = ["MicrobatchLoss", "StepMetrics", "StepRunner", "StepSums", "check_step", "step_metrics"]
 
 
 class MicrobatchLoss(Protocol):
@@ -38,7 +40,7 @@ class MicrobatchLoss(Protocol):
         self, logprobs_S: torch.Tensor, mb: Microbatch, output: TreeLMOutput
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one microbatch (already divided by the step's global normalisers) and detached metrics to sum
-        over microbatches. `mb.loss` holds its loss inputs, `mb.batch` the per-position metadata in original order;
+        over microbatches. `mb.loss` holds its loss inputs, `mb.batches` the per-position metadata in original order;
         `output.moe_stats` the multiplicity-weighted router statistics per layer, `output.entropy` the `[S]`
         entropies of the sampling distribution when `train_step(entropy=True)`."""
 
@@ -76,13 +78,14 @@ class StepRunner(Protocol):
     """The module whose parameters this rank trains (optimizer, checkpoints): the plain or parallelized model, or
     this rank's pipeline stages under the whole model's parameter names."""
 
-    def train_step(self, microbatches: Sequence[Microbatch], loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
+    def train_step(self, step: Step, loss_fn: MicrobatchLoss, *, temperature: float = 1.0,
                    entropy: bool = False) -> StepMetrics:
-        """Forward and backward of this replica's microbatches in slot order. Every microbatch runs even after a
-        non-finite loss (all ranks issue the same collectives); `StepMetrics.non_finite` names the first one."""
+        """Forward and backward of this replica's microbatches. Every microbatch runs even after a non-finite loss
+        (all ranks issue the same collectives); `StepMetrics.non_finite` names the first one."""
 
-    def score(self, microbatches: Sequence[Microbatch], *, temperature: float = 1.0) -> list[torch.Tensor]:
-        """`[S]` float64 log-probs of softmax(logits / temperature) of every microbatch, without a graph."""
+    def score(self, step: Step, *, temperature: float = 1.0) -> list[torch.Tensor]:
+        """`[S]` float64 log-probs of softmax(logits / temperature) of every microbatch (slot order), without a
+        graph."""
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients of the whole model (every mesh, every stage) to a global norm of at most
@@ -96,20 +99,23 @@ class StepRunner(Protocol):
         on the other ranks; a collective: every rank calls it). For the rollout engine and the HF export."""
 
 
-def check_microbatches(microbatches: Sequence[Microbatch], dp_group: dist.ProcessGroup | None,
-                       device: torch.device) -> None:
-    """Every replica runs the same, non-zero number of microbatches (their collectives must line up)."""
-    if not microbatches:
-        raise ValueError("`microbatches` is empty: every DP replica needs at least one microbatch per step")
+def check_step(step: Step, dp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """The step has events, and every replica has the same kinds of events in the same order (else a collective
+    would hang): the same number of microbatches under a HARTS plan, empty events padding a carry plan."""
+    if not step.events:
+        raise ValueError("`step` is empty: every DP replica needs at least one microbatch (or empty event) per step")
     if dp_group is None:
         return
-    n = len(microbatches)
-    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
-    if int(t[0]) != -int(t[1]):
+    kinds = "".join(kind[0] for kind, _ in step.events).encode()
+    signature = [len(kinds), int.from_bytes(hashlib.sha256(kinds).digest()[:7], "little")]
+    both = torch.tensor(signature + [-x for x in signature], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp_group)
+    if not torch.equal(both[:2], -both[2:]):
         raise ValueError(
-            f"DP replicas got between {-int(t[1])} and {int(t[0])} microbatches (this rank {n}): every replica must "
-            "run the same number (plan with the DP degree, planner K mod D = 0)"
+            f"DP replicas got different sequences of forward and backward events (this rank {len(step)} microbatches, "
+            f"{len(kinds)} events): every replica must run the same number of microbatches (plan with the DP degree, "
+            "planner K mod D = 0) and the same kinds of events in the same order (carry: pad with empty events, "
+            "slot -1)"
         )
 
 

@@ -4,7 +4,7 @@ Legend: C compact rows, D model dim, S semantic positions, Vl LM-head rows of th
 
 FSDP2 gathers a unit's parameters in a forward pre-hook, so every unit must be entered through `module(...)`. The
 model already does so: its layer loop calls each decoder layer as a module (activation recomputation inside the
-layer), and `models.tree.execute.tree_logprobs` calls the model itself on a TreeLayout (the root unit: embeddings,
+layer), and the step runners call the model itself on a TreeContext (`model(ctx, ...)`: the root unit, embeddings,
 final norm, LM head). What remains parallel-specific is here:
 - pytree registration of `MoEStats` and `TreeLMOutput`: FSDP2 registers its pre-backward hook on the tensors of a
   unit's output; the router statistics carry gradients (aux losses) that reach a layer before its hidden-state
@@ -45,7 +45,7 @@ class VocabParallelCausalLM(HybridForCausalLM):
         return vocab_parallel_compact_logprobs(
             copy_to_group(hidden_CD, embed.tp_group), weight_VD, layout.logit_row, layout.target,
             vocab_start=embed.tp_group_rank * weight_VD.shape[0], group=embed.tp_group, chunk_rows=chunk_rows,
-            entropy=entropy,
+            entropy=entropy, fused=self.kernels.fused_rowwise,
         )
 
 

@@ -42,7 +42,7 @@ class GroupVocabShards(VocabShards):
 
 
 def vocab_parallel_compact_logprobs(
-    hidden_CD, weight_VD, logit_row_S, target_S, *, vocab_start, group, chunk_rows=None, entropy=False
+    hidden_CD, weight_VD, logit_row_S, target_S, *, vocab_start, group, chunk_rows=None, entropy=False, fused=True
 ):
     """`models.logprobs.compact_logprobs` with the LM head split by vocabulary over `group`.
 
@@ -56,10 +56,11 @@ def vocab_parallel_compact_logprobs(
         chunk_rows: rows per chunk of [rows, Vl] logits, as in `models.logprobs.compact_logprobs` (default: fp32
             scratch near 512 MiB, at most 4,096 rows; on CUDA every chunk has exactly this many).
         entropy: also return the entropy of each position's predictive distribution (over the whole vocabulary).
+        fused: the vocabulary passes on their fused kernels where they run (as in `compact_logprobs`).
     Returns: logprobs [S] (fp32, or fp64 for fp64 inputs), and entropy [S] if requested; identical on all ranks.
     Reference: `models.logprobs.compact_logprobs` on the gathered LM head.
     """
     return sharded_compact_logprobs(
         hidden_CD, weight_VD, logit_row_S, target_S, GroupVocabShards(int(vocab_start), group),
-        chunk_rows=chunk_rows, entropy=entropy,
+        chunk_rows=chunk_rows, entropy=entropy, fused=fused,
     )

@@ -1,12 +1,12 @@
 """A linear cost model of one microbatch's forward + backward + gradient, for the planner's execution choices.
 
-Two choices use it: whether a planned microbatch runs as a tree or as its flat expansion (`runs_flat`,
-`models.microbatch.prepare_microbatch`), and
-whether a tree larger than a microbatch is carried across microbatches or split by whole trajectories with its
-shared prefixes duplicated (`prefers_carry`, planner/step_plan.py).
+Two choices of auto mode use it, both made by the planner: whether a planned microbatch runs as a tree or as its
+flat expansion (`runs_flat`, planner/microbatch/flat.py), and whether a tree larger than a microbatch is carried
+across microbatches or split by whole trajectories with its shared prefixes duplicated (`prefers_carry`,
+planner/step_plan.py).
 
 Defaults: a least-squares fit through the origin on one H200, ling-3-tiny in bf16 with full-layer recomputation and
-branch attention, SWE seeds 5 and 4 at scale 0.01, capacity 65,536 (bench/RESULTS.md, sessions 8 and 9): the three
+branch attention, SWE seeds 5 and 4 at scale 0.01, capacity 65,536 (measured runs: docs/history.md): the three
 microbatches of seed 5's HARTS plan (5.09, 5.01, 4.00 s), seed 5's carry step (2 microbatches, 9.96 s) and seed
 4's (6 microbatches, 28.72 s, with every open microbatch resident: 29.54 s at the job's default of 1) give 72.64 us
 per compact row + 1.376 us per attention-view row + 6.07 us per carried context row, each step within 0.3% of its
@@ -20,8 +20,7 @@ per token (`expansion_per_token`) has no GPU measurement yet, so by default it i
 per view row (each of its rows is one view row): a trie, which has at most as many rows, is then slower only when
 its view rows outnumber its tokens, and with replay they never do (every sequence ends at a leaf, so its view rows
 sum the leaf trajectories' lengths): nothing runs flat until `bench.speed` has measured an expansion
-(`expansion_per_token` in its fit). (Trajectory-wise training on the baseline's own
-flat path costs 68.13 us per token here: 80.41 s over 1,180,320 tokens, session 8.)
+(`expansion_per_token` in its fit).
 """
 
 from __future__ import annotations

@@ -67,7 +67,9 @@ def parse_record(obj) -> Trajectory:
     if "tokens" not in obj:
         raise TrajectoryRecordError("missing required key 'tokens'")
     tokens = obj["tokens"]
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise TrajectoryRecordError("'tokens' must be a non-empty list of integers")
     tree = obj.get("tree")
     if tree is not None and (not isinstance(tree, (str, int)) or isinstance(tree, bool)):
@@ -139,7 +141,8 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise TrajectoryFileError(
-                    f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSON lines are UTF-8"
+                    f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); JSON "
+                    "lines are UTF-8"
                 ) from None
             if not line.strip():
                 continue

@@ -34,7 +34,8 @@ class CompactBatch:
         positions: depth of the row on its original path (0-based; RoPE and chunk geometry use it).
         parent: parent row, -1 for a trie root.
         multiplicity: q, the number of semantic positions mapped to the row (sum = S).
-        subtree_end: exclusive end of the row's subtree; row r is an ancestor-or-self of row c iff r <= c < subtree_end[r].
+        subtree_end: exclusive end of the row's subtree; row r is an ancestor-or-self of row c iff
+            r <= c < subtree_end[r].
         segment: segment index of the row.
     Segments ([G], maximal fork-free paths; a child segment starts where its parent forks):
         seg_offsets [G+1]: segment g owns rows [seg_offsets[g], seg_offsets[g+1]).

@@ -1,6 +1,7 @@
 """One step's microbatch plan in a planner mode: "duplicate" (HARTS), "carry" (prefix carry) or "auto".
 
     plan = plan_step(trajectories, capacity=65_536, dp=4, mode="auto")  # MicrobatchPlan or CarryPlan
+    share = plan.replica(d)  # either plan: replica d's share (planner/replica_share.py)
 
 - duplicate: `planner.microbatch.plan.plan_microbatches`; trajectories are whole, a tree split over microbatches
   executes its shared prefix in each of them (a trajectory longer than the capacity is an error).
@@ -11,12 +12,14 @@
   that execute the fewest rows (exact over contiguous groupings), which adds their shared prefixes. A duplicated
   tree is then several trees that are never cut (one part each), on the carried tree's replica, and the step is laid
   out again, and that layout is kept if the cost model predicts the step faster than the carry plan
-  (`CostModel.plan_seconds`: whole trees pack less tightly, which can cost a slot). Trees that fit in a microbatch need neither: the layout may still cut one to fill a microbatch, as in
-  carry mode. When no tree is worth carrying the step gets the duplicate plan (whose search packs whole
-  trajectories better than the carry layout; with fewer trajectories than replicas, which it refuses, the carry
-  plan). Deciding per tree is sound because what either choice adds is the tree's own work (rows and view rows of
-  its microbatches) and carried context never crosses trees; what couples trees is only how the layout packs them,
-  which the comparison of the whole step's layouts accounts for.
+  (`CostModel.plan_seconds`: whole trees pack less tightly, which can cost a slot). Trees that fit in a microbatch need
+  neither: the layout may still cut one to fill a microbatch, as in carry mode. When no tree is worth carrying the step
+  gets the duplicate plan (whose search packs whole trajectories better than the carry layout; with fewer trajectories
+  than replicas, which it refuses, the carry plan), with each microbatch marked to run as its trie or as its flat
+  expansion, whichever the cost model predicts faster (`planner.microbatch.flat`: the one place auto mode's choices are
+  made; preparation follows the plan). Deciding per tree is sound because what either choice adds is the tree's own work
+  (rows and view rows of its microbatches) and carried context never crosses trees; what couples trees is only how the
+  layout packs them, which the comparison of the whole step's layouts accounts for.
 """
 
 from __future__ import annotations
@@ -27,16 +30,25 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from planner.carry.plan import CarryPlan, SortedStep, plan_carry, plan_units
 from planner.carry.balance import Unit, balance_units
+from planner.carry.plan import CarryPlan, SortedStep, plan_carry, plan_units
 from planner.cost_model import CostModel
+from planner.microbatch.flat import with_flat_choices
 from planner.microbatch.plan import MicrobatchPlan, check_inputs, plan_microbatches
 from planner.trajectory import Trajectory
 
-__all__ = ["MODES", "Mode", "plan_step", "duplicate_groups"]
+__all__ = ["MODES", "Mode", "plan_step", "duplicate_groups", "longest_trajectory"]
 
 Mode = Literal["duplicate", "carry", "auto"]
 MODES: tuple[str, ...] = ("duplicate", "carry", "auto")
+
+
+def longest_trajectory(mode: str, capacity: int) -> int | None:
+    """The longest trajectory a plan in `mode` takes with microbatches of `capacity` compact tokens: `capacity` in
+    "duplicate" mode, which runs every trajectory whole in one microbatch; None (no limit) in "carry" and "auto",
+    which cut trajectories. The one home of this rule: the planner's input checks, the RL job's config and preflight
+    checks and the offline job's record limits ask here."""
+    return capacity if mode == "duplicate" else None
 
 
 def duplicate_groups(step: SortedStep, unit: Unit, capacity: int) -> list[Unit] | None:
@@ -88,7 +100,9 @@ def _auto(trajectories: Sequence[Trajectory], capacity: int, dp: int, cost: Cost
             whole.append(False)
             any_carried |= unit.rows > capacity
     if not any_carried:
-        return plan_microbatches(trajectories, capacity, dp) if len(trajectories) >= dp else carried
+        if len(trajectories) < dp:
+            return carried
+        return with_flat_choices(plan_microbatches(trajectories, capacity, dp), trajectories, cost)
     if all(not w for w in whole):
         return carried
     mixed = plan_units(step, out, whole, capacity, dp, start, "auto")

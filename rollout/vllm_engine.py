@@ -145,7 +145,7 @@ class VLLMEngine(Engine):
     """vLLM `LLM` in this process, with exact token ids and behaviour log-probs, weight reloads and sleep/wake.
 
     Attributes:
-        startup_seconds: wall time of the `LLM(...)` construction (measured: ~4-14 s for a tiny hybrid on 2 CPU cores).
+        startup_seconds: wall time of the `LLM(...)` construction (the demo's "engine ready" in bench/RESULTS.md).
         weight_version: number of completed update_weights calls.
     """
 

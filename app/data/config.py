@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from app.config_loader import PATH
-from app.errors import ConfigError
 from app.data.files import SUFFIXES
+from app.errors import ConfigError
 
 __all__ = ["DataConfig"]
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from app.errors import DataError
 from app.data.files import UNREADABLE, RecordFile
+from app.errors import DataError
 from rollout.envs.records import RecordError
 
 __all__ = ["epoch_order", "record_units", "Item", "RecordSource"]

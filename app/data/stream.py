@@ -15,7 +15,8 @@ the unit count when units are not single records, seed, shuffle, world) guards a
 
 `parse` turns a record dict into the value handed out and raises `rollout.envs.records.RecordError` to reject it;
 a rejected or unreadable record is a DataError naming file, line and field, or (on_bad_record = "skip") skipped
-with its whole unit and counted (`skipped` counts records). Any other reader plugs in through `parse` (task records: an environment's task_from_record).
+with its whole unit and counted (`skipped` counts records). Any other reader plugs in through `parse` (task
+records: an environment's task_from_record).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import Any, Callable, Generic, Literal, Sequence, TypeVar
 
 from torchdata.nodes import Prefetcher
 
-from app.errors import DataError
 from app.data.files import open_record_files
 from app.data.source import RecordSource
+from app.errors import DataError
 
 __all__ = ["RecordStream"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
+from app.errors import ConfigError
 from rollout.envs import ChatEnvironment, Environment
 from rollout.rendered_env import RenderedEnvironment
 

@@ -25,11 +25,12 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from app.errors import ConfigError
 from app.data.config import DataConfig
 from app.data.feed import RecordFeed, open_stream
+from app.errors import ConfigError
 from app.objectives import PolicyLossConfig
 from planner.jsonl import TrajectoryRecordError, parse_record
+from planner.step_plan import longest_trajectory
 from planner.trajectory import Trajectory
 from rollout.envs.records import RecordError
 
@@ -61,8 +62,9 @@ def path_limits(max_positions: int, capacity: int, plan_mode: str) -> list[PathL
     """The limits of a path for a model of `max_positions` positions (`max_position_embeddings`), planned in
     `plan_mode` (the job's planner mode) with microbatches of `capacity` tokens."""
     limits = [PathLimit(max_positions, f"the model's max_position_embeddings {max_positions}: shorten or drop it")]
-    if plan_mode == "duplicate":
-        limits.append(PathLimit(capacity, (
+    limit = longest_trajectory(plan_mode, capacity)
+    if limit is not None:
+        limits.append(PathLimit(limit, (
             f"planner.capacity = {capacity}: duplicate mode runs every path whole in one microbatch (a tree may span "
             "several); shorten or drop it, raise planner.capacity to at least its length, or set planner.mode = "
             "'carry' or 'auto' (without pipeline parallelism), which cut paths")))

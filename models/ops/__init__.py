@@ -2,7 +2,8 @@
 float64-capable) and a fast path with the same signature (fla's kernels, or the project's own Triton kernels for
 RMSNorm and the MoE combine); the dispatchers pick the fast path for CUDA tensors that are not float64, the
 reference otherwise. The row-wise ops (rms_norm, l2_norm, swiglu, sigmoid_gate, moe_combine, kda_decay) take it unless
-`dispatch.set_fused_rowwise(False)` (`train.fused_rowwise = false`, the benchmarks' `--reference-rowwise`).
+the caller passes `fused=False`: a model's `settings.KernelSettings.fused_rowwise` (`train.fused_rowwise = false`, the
+benchmarks' `--reference-rowwise`).
 
     models.ops.kda.kda_core      KDA delta-rule core      (naive_chunk_kda / chunk_kda)
     models.ops.gdn.gdn_core      GDN delta-rule core      (naive_chunk_gdn / chunk_gdn)

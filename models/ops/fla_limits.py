@@ -1,9 +1,9 @@
 """Known limits of fla's kernels on this machine: one rule per limit, read by the code and the tests that must avoid it.
 
 GDN backward (fla 0.6.0, `fla.ops.common.chunk_o.chunk_bwd_dqkwg`): the gated `chunk_bwd_dqkwg` kernel gives wrong
-results with triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla issue #640), so fla raises RuntimeError there unless tilelang
-is installed (its backend then replaces the kernel). Gated DeltaNet's chunk backward calls it with a gate; KDA's
-backward does not (its own kernels), so KDA trains on such machines.
+results with triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla-org/flash-linear-attention#640), so fla raises RuntimeError
+there unless tilelang is installed (its backend then replaces the kernel). Gated DeltaNet's chunk backward calls it
+with a gate; KDA's backward does not (its own kernels), so KDA trains on such machines.
 """
 
 from __future__ import annotations
@@ -54,6 +54,6 @@ def gdn_backward_rule(triton_version: str | None, capability: tuple[int, int] | 
     fla = _installed("fla-core") or "?"
     return (
         f"fla {fla} refuses Gated DeltaNet's chunk backward on Hopper (compute capability "
-        f"{capability[0]}.{capability[1]}) with triton {triton_version} (>= {low}, < {high} computes it wrong, fla "
-        f"issue #640): install triton >= {high} or tilelang"
+        f"{capability[0]}.{capability[1]}) with triton {triton_version} (>= {low}, < {high} computes it wrong, "
+        f"fla-org/flash-linear-attention#640): install triton >= {high} or tilelang"
     )

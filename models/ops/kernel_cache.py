@@ -3,22 +3,23 @@
 fla's Triton kernels compile on first use, and fla 0.6.0 autotunes them with `cache_results=True`
 (`FLA_CACHE_RESULTS`, fla/utils/env.py), so the timings land beside the binaries as
 `<folder>/<hash>/<kernel>.autotune.json` (triton/runtime/autotuner.py `check_disk_cache`). A folder that outlives
-the run therefore spares the next run both the compilation and the autotuning (on an H200, the first step of a cold
-RL job took 229 s, issue #20); copying it spares another machine with the same GPU, triton and fla versions.
-torch.compile's Triton kernels go there too (inductor reads `TRITON_CACHE_DIR`).
+the run therefore spares the next run both the compilation and the autotuning (cold and warm first steps:
+bench/RESULTS.md, "GPU: the RL job's first step"); copying it spares another machine with the same GPU, triton
+and fla versions. torch.compile's Triton kernels go there too (inductor reads `TRITON_CACHE_DIR`).
 
 Triton reads the variable each time it looks up a kernel, so setting it before the first kernel compiles is enough
 (this module imports neither triton nor fla). The RL job (`train.kernel_cache`) and the benchmarks
-(`--kernel-cache`) choose the folder with `use_kernel_cache`, which also points fla at the kernel configs tuned for
-the GPU in use, where there are some (`models.ops.tuned_configs`): those kernels then compile one config each and
-do not autotune.
+(`--kernel-cache`) choose the folder as `KernelSettings.kernel_cache` and set it with the rest of the kernels'
+environment (`models.ops.kernel_environment.use_kernel_environment`): `use_kernel_cache` here, which also points fla
+at the kernel configs tuned for the GPU in use, where there are some (`models.ops.tuned_configs`): those kernels
+then compile one config each and do not autotune.
 
-FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, 12-15 s
-per phase's shapes on an H200, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
+FlashAttention-4's CuTe-DSL kernels (`train.attention_kernels = "fa4"`) compile in every process on first use, for
+each phase's shapes, unless its own disk cache is on (off by default in flash-attn-4 4.0.0b36:
 `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED` / `_DIR`, read when flash_attn.cute is imported). `use_kernel_cache` turns it
 on in the subfolder `flash-attn-4` of the chosen folder unless the user set that folder. With the two variables set
-by hand (this code did not run on a GPU yet), a second tiny-kimi-linear RL job's first SFT and RL steps took 10.6 s
-and 10.2 s instead of 21.9 s and 20.9 s (bench/RESULTS.md, session 14).
+by hand (this code did not run on a GPU yet), a second RL job's first SFT and RL steps took about half as long
+(bench/RESULTS.md, "GPU: the RL job's first step").
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.ops.tuned_configs import use_tuned_configs
+from models.ops.own_env import set_own, users_value
+from models.ops.tuned_configs import TUNED_CONFIGS, use_tuned_configs
 
 __all__ = ["TRITON_CACHE_ENV", "FA4_CACHE_ENV", "FA4_CACHE_ON_ENV", "FA4_SUBFOLDER", "KernelCache",
            "use_kernel_cache", "cache_entries"]
@@ -37,10 +39,6 @@ FA4_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 FA4_CACHE_ON_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 #: FlashAttention-4's compiled kernels, inside the kernel cache folder (not counted as Triton entries).
 FA4_SUBFOLDER = "flash-attn-4"
-
-# The values this process set, so that a second job in the same process does not take them for the user's own.
-_set_here: str | None = None
-_fa4_set_here: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,18 +67,17 @@ def cache_entries(folder: Path) -> int:
         return 0
 
 
-def use_kernel_cache(folder: str | Path | None, default: str | Path | None, setting: str) -> KernelCache:
+def use_kernel_cache(folder: str | Path | None, default: str | Path | None, setting: str,
+                     tuned_configs: Path = TUNED_CONFIGS) -> KernelCache:
     """Point Triton's cache at a folder (creating it) for this process and the processes it starts.
 
-    Which folder wins: `folder` (an explicit setting, named `setting`), else the user's own `TRITON_CACHE_DIR`,
-    else `default`, else Triton's own default (`$TRITON_HOME/.triton/cache`, TRITON_HOME defaulting to the home
-    folder). Also turns flash-attn-4's disk cache on in the folder's `FA4_SUBFOLDER` (module docstring). Raises
-    OSError when the folder cannot be created.
+    Which folder wins: `folder` (an explicit setting, named `setting`), else the user's own `TRITON_CACHE_DIR` (not
+    one set here before: `models.ops.own_env`), else `default`, else Triton's own default
+    (`$TRITON_HOME/.triton/cache`, TRITON_HOME defaulting to the home folder). Also turns flash-attn-4's disk cache
+    on in the folder's `FA4_SUBFOLDER` (module docstring) and, on a GPU, points fla at the configs tuned for it in
+    `tuned_configs` (`models.ops.tuned_configs.use_tuned_configs`). Raises OSError when the folder cannot be created.
     """
-    global _set_here
-    user = os.environ.get(TRITON_CACHE_ENV)
-    if user is not None and user == _set_here:
-        user = None
+    user = users_value(TRITON_CACHE_ENV)
     if folder is not None:
         chosen, source = Path(folder), setting
     elif user:
@@ -92,12 +89,12 @@ def use_kernel_cache(folder: str | Path | None, default: str | Path | None, sett
         chosen, source = home / ".triton" / "cache", "Triton's default"
     chosen = chosen.expanduser().absolute()
     chosen.mkdir(parents=True, exist_ok=True)
-    os.environ[TRITON_CACHE_ENV] = _set_here = str(chosen)
+    set_own(TRITON_CACHE_ENV, str(chosen))
     _share_with_fa4(chosen)
-    return KernelCache(chosen, source, cache_entries(chosen), _tuned_configs())
+    return KernelCache(chosen, source, cache_entries(chosen), _tuned_configs(tuned_configs))
 
 
-def _tuned_configs() -> str:
+def _tuned_configs(root: Path) -> str:
     """`use_tuned_configs` for the GPU this process runs on: torchrun's LOCAL_RANK (`parallel.launch` sets that device
     later; naming it here, not the current device 0, keeps every rank off GPU 0), else the current one. "" without
     a GPU or for a LOCAL_RANK beyond the visible GPUs (`parallel.launch` says so)."""
@@ -107,15 +104,13 @@ def _tuned_configs() -> str:
         return ""
     local_rank = os.environ.get("LOCAL_RANK")
     index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
-    return use_tuned_configs(torch.cuda.get_device_name(index)) if index < torch.cuda.device_count() else ""
+    return use_tuned_configs(torch.cuda.get_device_name(index), root) if index < torch.cuda.device_count() else ""
 
 
 def _share_with_fa4(folder: Path) -> None:
     """FlashAttention-4's disk cache on, in `folder`/FA4_SUBFOLDER, unless the user chose its folder (a user's
     FA4_CACHE_ON_ENV = 0 stays too)."""
-    global _fa4_set_here
-    user = os.environ.get(FA4_CACHE_ENV)
-    if user is not None and user != _fa4_set_here:
+    if users_value(FA4_CACHE_ENV) is not None:
         return
     os.environ.setdefault(FA4_CACHE_ON_ENV, "1")
-    os.environ[FA4_CACHE_ENV] = _fa4_set_here = str(folder / FA4_SUBFOLDER)
+    set_own(FA4_CACHE_ENV, str(folder / FA4_SUBFOLDER))

@@ -4,15 +4,17 @@ fla 0.6.0 autotunes a kernel the first time it meets an autotuning key (head cou
 never the number of rows) and keeps that choice for the process and, through Triton's cache, for later processes.
 So the first call's shapes choose the config for every later call: a benchmark started after a small test ran with
 configs timed on a few hundred rows (seen on the H200: `chunk_gla_fwd_kernel_o` and five other KDA kernels were
-tuned at 0.01-0.04 ms per call and then ran 60,664-row microbatches). Autotuning also takes most of a cold first
-step (minutes on the H200, issue #20).
+tuned on calls of a few hundred rows and then ran 60,664-row microbatches). Autotuning also takes most of a cold first
+step (bench/RESULTS.md, "GPU: the RL job's first step").
 
 fla reads chosen configs from files instead when told to (`fla.ops.utils.cache`: `FLA_CONFIG_DIR`, and
 `FLA_CACHE_MODE`, read once when fla is imported): `<FLA_CONFIG_DIR>/<kernel>.json`, one entry per autotuning key.
 `fla_configs/<GPU>/` holds such files, written by `write_tuned_configs` from the Triton cache of a run at
 production shapes on that GPU (`python -m bench.tuned_configs`), with `manifest.json` naming the GPU, the triton and
 fla versions and the run. `use_tuned_configs` points fla at the folder of the GPU in use in strict mode (an exact
-key match; any other key autotunes as before) when the versions match and the user set neither variable.
+key match; any other key autotunes as before) when the versions match and the user set neither variable (a folder
+set here before is not the user's: `models.ops.own_env`). The RL job and the benchmarks call it through
+`models.ops.kernel_environment.use_kernel_environment`, with `KernelSettings.tuned_configs` as the folder of folders.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
+from models.ops.own_env import set_own, users_value
+
 __all__ = ["CONFIG_DIR_ENV", "CACHE_MODE_ENV", "TUNED_CONFIGS", "MANIFEST", "gpu_folder_name", "use_tuned_configs",
            "write_tuned_configs"]
 
@@ -34,9 +38,6 @@ CACHE_MODE_ENV = "FLA_CACHE_MODE"
 TUNED_CONFIGS = Path(__file__).parent / "fla_configs"
 MANIFEST = "manifest.json"
 _AUTOTUNE_SUFFIX = ".autotune.json"
-
-# The folder this process set, so that a second job in the same process does not take it for the user's own.
-_set_here: str | None = None
 
 
 def gpu_folder_name(device_name: str) -> str:
@@ -54,9 +55,8 @@ def use_tuned_configs(device_name: str, root: Path = TUNED_CONFIGS) -> str:
     starts, before fla is imported. Returns what was done, as a line for the job's log: the folder, or why not (no
     folder for this GPU, other triton or fla versions, the user's own FLA_CONFIG_DIR or FLA_CACHE_MODE, fla already
     imported)."""
-    global _set_here
-    user_dir = os.environ.get(CONFIG_DIR_ENV)
-    if user_dir is not None and user_dir != _set_here:
+    user_dir = users_value(CONFIG_DIR_ENV)
+    if user_dir is not None:
         return f"fla kernel configs: {CONFIG_DIR_ENV}={user_dir} (the user's)"
     folder = root / gpu_folder_name(device_name)
     if not (folder / MANIFEST).is_file():
@@ -71,7 +71,7 @@ def use_tuned_configs(device_name: str, root: Path = TUNED_CONFIGS) -> str:
         return f"fla kernel configs: {CACHE_MODE_ENV}={os.environ[CACHE_MODE_ENV]} (the user's)"
     if "fla" in sys.modules and os.environ.get(CACHE_MODE_ENV) is None:
         return "fla kernel configs: not used: fla was imported before the kernel cache was chosen"
-    os.environ[CONFIG_DIR_ENV] = _set_here = str(folder)
+    set_own(CONFIG_DIR_ENV, str(folder))
     os.environ[CACHE_MODE_ENV] = "strict"
     return f"fla kernel configs: {folder} (tuned on {recorded.get('tuned_on', 'an unnamed run')})"
 

@@ -10,8 +10,8 @@ Three interchangeable backends, selected by `backend`:
   gathered ancestor rows plus its own rows, causal aligned bottom-right (query i of a branch with h ancestors sees
   view rows j <= h + i); outputs land on the branch's own rows. Runs in groups of bounded view rows, regathering
   in backward (`models.tree.branch_attention`): on CUDA in bf16/fp16 flat execution's kernel pair
-  (`models.ops.varlen_attention.varlen_kernels`: FlashAttention-2 or FlashAttention-4, as chosen), the reference
-  kernels elsewhere.
+  (`models.ops.varlen_attention.varlen_kernels`: FlashAttention-2 or FlashAttention-4, the model's
+  `KernelSettings.attention`), the reference kernels elsewhere.
 Projections, norms and RoPE run once per compact row before this; gathers scatter-add their gradients back.
 """
 
@@ -116,6 +116,7 @@ def tree_attention(
     layout: TreeAttentionLayout,
     scale: float,
     backend: Backend = "dense",
+    pair: str = "flash",
 ) -> torch.Tensor:
     """Ancestor-or-self attention over compact rows; returns [C, H, V] in q's dtype.
 
@@ -126,11 +127,12 @@ def tree_attention(
         layout: the microbatch's TreeAttentionLayout.
         scale: softmax scale.
         backend: "dense" (reference), "flex" or "branch" (see the module docstring).
+        pair: the CUDA kernel pair "branch" runs (`branch_attention`).
     """
     if backend == "dense":
         return _dense(q_CHK, k_CGK, v_CGV, layout, scale)
     if backend == "flex":
         return _flex(q_CHK, k_CGK, v_CGV, layout, scale)
     if backend == "branch":
-        return branch_attention(q_CHK, k_CGK, v_CGV, layout.kv_index, layout.groups, scale)
+        return branch_attention(q_CHK, k_CGK, v_CGV, layout.kv_index, layout.groups, scale, pair)
     raise ValueError(f"`backend` must be 'dense', 'flex' or 'branch', got {backend!r}")

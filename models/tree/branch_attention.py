@@ -12,12 +12,13 @@ compact q/k/v, the output and the log-sum-exp, and the backward gathers each gro
 backward and scatter-adds dk/dv onto the compact rows. Peak extra memory: one group's views and their gradients.
 
 The scatter is a segment sum planned on the host (`models.ops.segment_sum`, `BranchGroup.sums`): a trunk row is in
-every view of its group, and index_add_'s atomic adds on one address serialise (on the H200: 94 ms of a 65k-row SWE
-microbatch, 25 ms sorted), while `index_put_(accumulate=True)` sorts the index on the device in every layer's
-backward (28 ms of that microbatch with FlashAttention-4, 14 ms as a segment sum; session 18). The segment sum adds a row's contributions in
-one pass in a fixed order, so dk/dv are deterministic and rounded once per group. A group whose branches have no ancestors (`BranchGroup.own_rows`: every group of a flat
-expansion, and a group that happens to hold only tree roots' first branches) reads its rows of k and v in place and
-adds their gradients, as flat attention would.
+every view of its group, and index_add_'s atomic adds on one address serialise, while
+`index_put_(accumulate=True)` sorts the index on the device in every layer's backward; the planned segment sum is
+faster than either (bench/RESULTS.md, "Profiled costs behind design choices"). The segment sum adds a row's
+contributions in one pass in a fixed order, so dk/dv are deterministic and rounded once per group. A group whose
+branches have no ancestors (`BranchGroup.own_rows`: every group of a flat expansion, and a group that happens to hold
+only tree roots' first branches) reads its rows of k and v in place and adds their gradients, as flat attention
+would.
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ def _gather_sources(k_CGK: torch.Tensor, v_CGW: torch.Tensor, groups: list[Branc
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """k and v as the views' gathers read them: contiguous when some group gathers. torch's row gather takes its
     vectorised kernel only for rows that are contiguous; MLA's values are a strided slice of `kv_b_proj`'s output, and
-    their view gathers took the generic index kernel (with FlashAttention-4, which reads V = 128 unpadded: 61.6 ms of a
-    65k-row SWE microbatch of ling-3-tiny on the H200, against 20.9 ms for the larger keys' gathers). One copy of the
-    compact rows per pass costs much less than that."""
+    their view gathers took the generic index kernel (with FlashAttention-4, which reads V = 128 unpadded: several
+    times the larger keys' gathers; bench/RESULTS.md, "Profiled costs behind design choices"). One copy of the compact
+    rows per pass costs much less than that."""
     if all(g.own_rows for g in groups):
         return k_CGK, v_CGW
     return k_CGK.contiguous(), v_CGW.contiguous()
@@ -114,13 +115,13 @@ def _gather_sources(k_CGK: torch.Tensor, v_CGW: torch.Tensor, groups: list[Branc
 
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale):
-        forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK)
+    def forward(ctx, q_CHK, k_CGK, v_CGV, kv_index, groups, scale, pair):
+        forward_kernel, ctx.backward_kernel = varlen_kernels(q_CHK, pair)
         # Kernels that run values at the q/k head dim get them padded here once, not in every gathered view: the
         # views hold several times the compact rows. W is the width the kernels see (K when padded, else V).
         V = v_CGV.shape[-1]
-        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, q_CHK.shape[-1]) if pads_values(q_CHK, v_CGV) else v_CGV,
-                                       groups)
+        padded = pads_values(q_CHK, v_CGV, pair)
+        k_src, v_CGW = _gather_sources(k_CGK, pad_to(v_CGV, q_CHK.shape[-1]) if padded else v_CGV, groups)
         out_CHW = q_CHK.new_empty(*q_CHK.shape[:2], v_CGW.shape[-1])
         lses = []
         for g in groups:
@@ -155,11 +156,11 @@ class _BranchAttention(torch.autograd.Function):
             with region("branch view scatter-add"):
                 add_segment_sums(dk, dk_view, g.sums)
                 add_segment_sums(dv, dv_view[..., :V], g.sums)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def branch_attention(q_CHK: torch.Tensor, k_CGK: torch.Tensor, v_CGV: torch.Tensor, kv_index: torch.Tensor,
-                     groups: list[BranchGroup], scale: float) -> torch.Tensor:
+                     groups: list[BranchGroup], scale: float, pair: str = "flash") -> torch.Tensor:
     """Branch-view attention over compact rows -> `[C, H, V]` in q's dtype.
 
     Args:
@@ -167,5 +168,7 @@ def branch_attention(q_CHK: torch.Tensor, k_CGK: torch.Tensor, v_CGV: torch.Tens
         kv_index: [total view rows] physical rows of the views, branch after branch.
         groups: `branch_groups` of the microbatch.
         scale: softmax scale.
+        pair: the CUDA kernel pair (`models.ops.varlen_attention.varlen_kernels`; the model's
+            `KernelSettings.attention`, as flat execution's).
     """
-    return _BranchAttention.apply(q_CHK, k_CGK, v_CGV, kv_index, groups, scale)
+    return _BranchAttention.apply(q_CHK, k_CGK, v_CGV, kv_index, groups, scale, pair)

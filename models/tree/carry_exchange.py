@@ -1,4 +1,4 @@
-"""Prefix carry at run time (issue #17): the layers of a carry microbatch read what earlier microbatches of the step
+"""Prefix carry at run time: the layers of a carry microbatch read what earlier microbatches of the step
 exported and export what later ones read; `CarryExchange` holds those tensors between the step's events.
 
 Legend: C own compact rows (physical order), P / Xc / X / Y carried attention, conv, replay rows and states
@@ -119,7 +119,8 @@ class CarryContext(TreeContext):
             rows = mixer.project(h_CD, layout.positions)
             exported = self._rows(rows, "attention", names)
             rows = AttentionRows(rows.q, *(_cat(getattr(rows, n), carried, n) for n in names), rows.gate)
-        o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend)
+        o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, self.attention_backend,
+                           mixer.kernels.attention)
         return mixer.output(o, rows), exported
 
     def _linear(self, mixer: LinearAttention, h_CD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -146,15 +147,17 @@ class CarryExchange:
 
     After slot m's forward (`keep`) it holds m's loss and exports, and leaves of the exports that m's consumers read;
     `backward(m)` injects the gradients the consumers left on those leaves and frees m. Microbatches are named by
-    slot; `links[m]` says what slot m imports and exports.
+    slot; `links[m]` says what slot m imports and exports, None for a microbatch that carries nothing (HARTS: it runs
+    under a plain TreeContext, and its backward is its loss's alone).
     """
 
-    def __init__(self, links: Sequence[CarryLinks]):
+    def __init__(self, links: Sequence[CarryLinks | None]):
         self.links = list(links)
         self.consumers = [set() for _ in self.links]
         for m, link in enumerate(self.links):
-            for producer in link.producers:
+            for producer in () if link is None else link.producers:
                 self.consumers[producer].add(m)
+        self.traffic: dict[int, CarryTraffic] = {}
         self.open: dict[int, tuple[torch.Tensor | None, dict[nn.Module, dict[str, torch.Tensor]]]] = {}
         self.leaves: dict[int, dict[nn.Module, dict[str, torch.Tensor]]] = {}
         self.finished: set[int] = set()
@@ -181,14 +184,20 @@ class CarryExchange:
 
         return read
 
-    def context(self, slot: int, layout, attention_backend) -> CarryContext:
-        """The context a forward of slot `slot` runs under (`models.decoder.HybridForCausalLM.forward`)."""
-        return CarryContext(layout, attention_backend, CarryTraffic(self.links[slot].exports, self.reader(slot)))
+    def context(self, slot: int, layout, attention_backend) -> TreeContext:
+        """The context a forward of slot `slot` runs under (`models.decoder.HybridForCausalLM.forward`): a
+        CarryContext reading its imports and recording its exports, a plain TreeContext when it has no links."""
+        link = self.links[slot]
+        if link is None:
+            return TreeContext(layout, attention_backend)
+        self.traffic[slot] = CarryTraffic(link.exports, self.reader(slot))
+        return CarryContext(layout, attention_backend, self.traffic[slot])
 
-    def keep(self, slot: int, ctx: CarryContext, loss: torch.Tensor | None) -> None:
-        """After slot `slot`'s forward under `ctx`: keep its exports (and `loss` for its backward; None when scoring)
-        and make the leaves its consumers read."""
-        exported = ctx.traffic.exported
+    def keep(self, slot: int, loss: torch.Tensor | None) -> None:
+        """After slot `slot`'s forward: keep its exports (and `loss` for its backward; None when scoring) and make
+        the leaves its consumers read."""
+        traffic = self.traffic.pop(slot, None)
+        exported = {} if traffic is None else traffic.exported
         self.open[slot] = (loss, exported)
         self.leaves[slot] = {
             mixer: {name: t.detach().requires_grad_(t.requires_grad) for name, t in tensors.items()}

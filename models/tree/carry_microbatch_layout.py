@@ -1,4 +1,4 @@
-"""Layouts of prefix-carry microbatches (issue #17): parts of trees larger than a microbatch, and what crosses
+"""Layouts of prefix-carry microbatches: parts of trees larger than a microbatch, and what crosses
 between them (host side, numpy; built once per step).
 
 Legend: C own compact rows of a microbatch (physical order), P carried full-attention context rows (all its parts),
@@ -42,10 +42,10 @@ from models.tree.core_calls import core_calls_and_exports
 from models.tree.device_copy import to_device
 from models.tree.layout import TreeLayout, ancestor_rows
 from planner.calls.plan import ExecutionPlan, build_execution_plan
-from planner.index_arrays import offsets
-from planner.pack import CompactBatch
 from planner.calls.schedule import min_call_schedule
 from planner.calls.segment_tree import SegmentTree
+from planner.index_arrays import offsets
+from planner.pack import CompactBatch
 
 __all__ = ["KINDS", "Part", "CarryLinks", "CarryLayout", "carry_layouts"]
 
@@ -91,7 +91,8 @@ class CarryLinks:
 
 @dataclass(eq=False)
 class CarryLayout:
-    """What one carry microbatch executes, on the trainer device."""
+    """What one carry microbatch executes, on the trainer device (`models.carry_microbatch` makes it a
+    `models.microbatch.Microbatch`)."""
 
     parts: tuple[Part, ...]
     """Its parts: tree index and preorder rows [start, stop)."""
@@ -103,23 +104,6 @@ class CarryLayout:
     """The linear-attention plan of its own rows (external roots where a part hangs below its context)."""
     scored: list[np.ndarray]
     """Per part: the positions of its tree's semantic arrays scored here (ascending); log-probs come in this order."""
-    num_compact: int
-    """Own compact rows C."""
-
-    @property
-    def num_semantic(self) -> int:
-        """Scored positions S."""
-        return sum(int(s.size) for s in self.scored)
-
-    @property
-    def linear_attention_calls(self) -> int:
-        """Packed linear-attention kernel calls per layer."""
-        return self.layout.linear_attention_calls
-
-    @property
-    def flat(self) -> bool:
-        """Never: a carry microbatch runs as a trie, it reads and exports context (`Microbatch.flat`)."""
-        return False
 
 
 class _Rows:
@@ -369,5 +353,5 @@ def carry_layouts(
             logit_row, target, carried_replay_rows=int(plan.external_context.size),
         )
         layout, links = to_device((layout, CarryLinks(exports, imports)), device)
-        out.append(CarryLayout(rows.parts, layout, links, plan, scored, rows.num_compact))
+        out.append(CarryLayout(rows.parts, layout, links, plan, scored))
     return out

@@ -13,6 +13,7 @@ import torch
 
 from models.ops.conv.recomputed_rows import RecomputedRows
 from models.ops.delta_rule.fla_args import fla_chunk_arrays
+from models.ops.kda.call_arrays import CallArrays
 from models.tree.attention import TreeAttentionLayout
 from models.tree.branch_attention import branch_groups
 from models.tree.core_calls import CoreCall, core_calls
@@ -109,23 +110,18 @@ def row_reader(index: np.ndarray, rows: int) -> RowGather | slice | None:
 
 
 @dataclass
-class CoreCallTensors:
+class CoreCallTensors(CallArrays):
     """One linear-attention kernel call (`models.tree.core_calls.CoreCall`); its input rows are the call's part of
-    the layer's calls' rows (`CoreCalls.row_bounds`)."""
+    the layer's calls' rows (`CoreCalls.row_bounds`). Its arrays as fla's path takes them (`CallArrays`: the pieces'
+    boundaries `[N_k+1]`, fla's chunk indices, and `init_entries`: `init_state` as
+    `models.tree.round_chains.table_entries` reads it), and the host bookkeeping of the call-by-call reference."""
 
-    cu_seqlens: torch.Tensor
-    cu_seqlens_cpu: torch.Tensor
-    """[N_k+1] piece boundaries in the call's rows, on the device and on the host (fla needs no host sync then)."""
     init_state: tuple[int, ...] | None
     """[N_k] state-table index of each piece's initial state (host ints); None when every piece starts from zeros."""
-    init_entries: torch.Tensor | slice | None
-    """`init_state` as `models.tree.round_chains.table_entries` reads it: a slice where the entries are one run (a
-    call continuing one cut sequence: a view, and its gradient added without a sort), else an index; None with it."""
     first_state: int
     """The table index of its first final state (the others follow in piece order)."""
-    chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
-    """fla's chunk bookkeeping of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
+    """fla's chunk offsets of `cu_seqlens` (`models.ops.delta_rule.fla_args.fla_chunk_arrays`)."""
 
     def initial_states(self, table: list[torch.Tensor]) -> torch.Tensor | None:
         """This call's initial states `[N_k, HV, K, V]` from the state table (entries `[HV, K, V]`), None = zeros."""
@@ -213,8 +209,9 @@ class CoreCalls:
         indices, first = fla_chunk_arrays(cu, chunk_size)
         return CoreCalls(
             calls=[CoreCallTensors.build(c, chunk_size) for c in calls], call_rows=[int(c.gather.size) for c in calls],
-            cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices), chunk_offsets=torch.as_tensor(first),
-            chunk_size=chunk_size, table_size=table, chains=RoundChains.build(calls, cu, first),
+            cu_seqlens=torch.as_tensor(cu), chunk_indices=torch.as_tensor(indices),
+            chunk_offsets=torch.as_tensor(first), chunk_size=chunk_size, table_size=table,
+            chains=RoundChains.build(calls, cu, first),
         )
 
 

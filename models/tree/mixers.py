@@ -68,7 +68,7 @@ def tree_linear_mixer(mixer: LinearAttention, h_CD: torch.Tensor, layout: TreeLa
 def tree_attention_mixer(mixer: nn.Module, h_CD: torch.Tensor, layout: TreeLayout, backend: Backend) -> torch.Tensor:
     """Gated attention / MLA over compact rows: ancestor-or-self attention at original positions -> `[C, D]`."""
     rows: AttentionRows = mixer.project(h_CD, layout.positions)
-    o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, backend)
+    o = tree_attention(rows.q, rows.k, rows.v, layout.attention, mixer.scale, backend, mixer.kernels.attention)
     return mixer.output(o, rows)
 
 

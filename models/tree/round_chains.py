@@ -1,5 +1,6 @@
 """A layer's calls regrouped by plan round: each sequence of a round as the chain of its pieces across the round's
-calls, so a kernel that keeps the state in registers runs a round in one launch (`models.ops.kda.chains`).
+calls, so a kernel that keeps the state in registers runs a round in one launch (`models.ops.kda.chains`, which takes
+them as `models.ops.kda.call_arrays.ChainArrays`).
 
 Legend: N_r sequences of round r, P_r their pieces, M state-table entries.
 
@@ -11,38 +12,20 @@ written to the same table entries, with one launch per round instead of one per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from models.ops.kda.call_arrays import ChainArrays
 from models.tree.core_calls import CoreCall
 from planner.index_arrays import offsets
 
 __all__ = ["RoundChains", "table_entries"]
 
 
-@dataclass
-class RoundChains:
-    """One round's sequences as chains of pieces (int64 tensors, built on the host).
-
-    pieces [N_r+1]: each sequence's pieces (CSR over the piece arrays), in call order.
-    piece_bos, piece_eos [P_r]: the piece's rows among the layer's calls' rows (`CoreCalls.row_bounds`).
-    piece_boh [P_r]: the piece's first chunk among the calls' chunks (`CoreCalls.chunk_bounds`, fla's order).
-    piece_state [P_r]: the table entry of the state after the piece.
-    init [N_r]: the table entry each sequence starts from (0 holds zeros).
-    num_sequences: N_r (the launch grid).
-    grad_entries: `init` as `table_entries` reads it, for the sequences' initial-state gradients.
-    """
-
-    pieces: torch.Tensor
-    piece_bos: torch.Tensor
-    piece_eos: torch.Tensor
-    piece_boh: torch.Tensor
-    piece_state: torch.Tensor
-    init: torch.Tensor
-    num_sequences: int
-    grad_entries: torch.Tensor | slice | None
+class RoundChains(ChainArrays):
+    """One round's sequences as chains of pieces (`ChainArrays`, int64 tensors built on the host): rows among the
+    layer's calls' rows (`CoreCalls.row_bounds`), first chunks among the calls' chunks (`CoreCalls.chunk_bounds`),
+    entries of the layer's state table (`CoreCalls`)."""
 
     @staticmethod
     def build(calls: list[CoreCall], cu_seqlens: np.ndarray, chunk_offsets: np.ndarray) -> list["RoundChains"]:
@@ -80,7 +63,7 @@ class RoundChains:
         return RoundChains(
             pieces=as_t(offsets([len(chains[s]) for s in order])), piece_bos=as_t(flat[:, 0]),
             piece_eos=as_t(flat[:, 1]), piece_boh=as_t(flat[:, 2]), piece_state=as_t(flat[:, 3]), init=as_t(entries),
-            num_sequences=len(order), grad_entries=table_entries(entries),
+            grad_entries=table_entries(entries),
         )
 
 

@@ -6,8 +6,8 @@ Legend: R rows of the source, T gathered rows, U source rows never read, M repea
 The linear-attention rounds read every physical row once in another order, and the few replay rows a second time;
 their kept outputs are each read once. For such an index the gradient of row r is the gradient at one position that
 reads it plus the gradients of its repeated reads. Backward then is one gather, a small fill and a
-small scatter-add. (On a 65k-row SWE microbatch of ling-3-tiny on the H200, the sorted scatter-adds and zero fills of
-these gathers took 43 ms, the gathers that replace them about 16 ms.)
+small scatter-add, together cheaper than the zero fill and sorted scatter-add of `x[index]`'s backward
+(bench/RESULTS.md, "Profiled costs behind design choices").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ starts from (always from an earlier round), or -1 for the zero state. Several se
 The no-replay ablation (replay=False) has the same structure: every segment is a sequence starting at its fork
 position (not chunk-aligned) from its parent segment's final state, num_replay = 0, one round per tree level.
 
-Prefix carry (issue #17). With external roots (`planner.calls.segment_tree.SegmentTree.external`) a sequence may replay
+Prefix carry. With external roots (`planner.calls.segment_tree.SegmentTree.external`) a sequence may replay
 rows of an outside path and start from that path's state: `gather` entries C + i name the outside row
 (external_context[i], external_position[i]) (path id, position), and `RoundPlan.external_state` names the outside
 state (external_state_context[j], external_state_position[j]) a sequence starts from. `exported_rows` asks the
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.index_arrays import inverse_permutation, offsets
-from planner.pack import CompactBatch
 from planner.calls.schedule import CallSchedule, min_call_schedule, no_replay_schedule
 from planner.calls.segment_tree import SegmentTree
+from planner.index_arrays import inverse_permutation, offsets
+from planner.pack import CompactBatch
 
 __all__ = ["ExecutionPlan", "RoundPlan", "plan_calls", "plan_segment_tree", "build_execution_plan"]
 

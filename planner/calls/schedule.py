@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.index_arrays import inverse_permutation, offsets
 from planner.calls.min_calls import check_chunk_size, direct_children, mandatory_replay, min_calls
 from planner.calls.segment_tree import SegmentTree
+from planner.index_arrays import inverse_permutation, offsets
 
 __all__ = ["CallSchedule", "schedule_sequences", "min_call_schedule", "no_replay_schedule"]
 

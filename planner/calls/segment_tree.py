@@ -5,7 +5,7 @@ child starts where its parent ends (start[child] = end[parent] is the fork posit
 independent trees. A CompactBatch gives one directly (`SegmentTree.from_batch`); the segment-tree JSON of
 `python -m planner calls` gives one from token counts (`segment_tree_from_json`).
 
-External roots (prefix carry, issue #17): the rows of one part of a larger tree may hang below rows executed
+External roots (prefix carry): the rows of one part of a larger tree may hang below rows executed
 elsewhere. A root with `external[g] = c >= 0` continues the path c outside the tree: it starts at its fork position
 p > 0, and its parent is that path's row at position p - 1.
 """

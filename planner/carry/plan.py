@@ -1,10 +1,11 @@
-"""Prefix carry across microbatches (issue 17): every unique row executed once, also when a tree exceeds capacity.
+"""Prefix carry across microbatches: every unique row executed once, also when a tree exceeds capacity.
 
 Legend: N trajectories, T capacity (compact rows per microbatch), D DP replicas (`dp`), J slots, U trees (units).
 
     plan = plan_carry(trajectories, capacity=65_536, dp=4)
     for mb in plan.microbatches: mb.parts (tree, start, stop), mb.replica, mb.slot, mb.compact_tokens, mb.reads
     plan.events[d]: replica d's ("forward" | "backward", slot) events, slot -1 for an empty one
+    plan.replica(d): replica d's share, as a HARTS plan gives it too (planner/replica_share.py)
 
 Trees. `plan.trees[u]` are the trajectory indices of tree u; its rows are those of `planner.pack.pack` of these
 trajectories, in pack's preorder (tree-local ids 0 .. R_u - 1). A tree is a rank range of pack's order
@@ -30,16 +31,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from planner.carry.balance import Unit, balance_units
 from planner.carry.events import part_reads, shared_events
-from planner.carry.slots import layout_replica
 from planner.carry.rows import UnitRows
+from planner.carry.slots import layout_replica
 from planner.lcp_index import lexicographic_lcp
 from planner.microbatch.plan import check_inputs, imbalance, objective, slot_work
+from planner.replica_share import ReplicaShare, check_replica
 from planner.trajectory import Trajectory
 
 __all__ = ["CarryPart", "CarryMicrobatch", "CarryPlan", "ContextSizes", "ContextBound", "SortedStep", "plan_carry",
@@ -120,6 +122,9 @@ class ContextBound:
 class CarryPlan:
     """Microbatches ordered by (slot, replica); events per replica (see the module docstring)."""
 
+    carries: ClassVar[bool] = True
+    """Parts read context from earlier microbatches (`ReplicaShare.carries`)."""
+
     trees: tuple[tuple[int, ...], ...]
     microbatches: tuple[CarryMicrobatch, ...]
     capacity: int
@@ -171,6 +176,20 @@ class CarryPlan:
     def objective(self) -> tuple[int, int, int, int]:
         """HARTS eq. 4 and then the number of slots (`planner.microbatch.plan.objective`), on executed rows."""
         return objective(*self._assignment(), self.dp)
+
+    def replica(self, dp_rank: int) -> ReplicaShare:
+        """Replica `dp_rank`'s share (`planner.replica_share`): the trees its parts name (in tree order), its
+        microbatches' parts in slot order and its events, with slots renumbered to its own microbatches."""
+        check_replica(dp_rank, self.dp)
+        mine = sorted((mb for mb in self.microbatches if mb.replica == dp_rank), key=lambda mb: mb.slot)
+        slot_of = {mb.slot: k for k, mb in enumerate(mine)}
+        used = sorted({p.tree for mb in mine for p in mb.parts})
+        unit_of = {tree: u for u, tree in enumerate(used)}
+        return ReplicaShare(
+            units=tuple(self.trees[tree] for tree in used),
+            parts=tuple(tuple((unit_of[p.tree], p.start, p.stop) for p in mb.parts) for mb in mine),
+            events=tuple((kind, slot_of[slot] if slot >= 0 else -1) for kind, slot in self.events[dp_rank]),
+            carries=self.carries, flat=(False,) * len(mine))
 
     def context_bound(self, sizes: ContextSizes) -> ContextBound:
         """The carried context of this plan for a model of the given sizes (see ContextBound)."""

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_json()))
         return 0
-    if isinstance(plan, CarryPlan):
+    if plan.carries:
         _print_carry(plan)
         return 0
     print(f"{len(plan.microbatches)} microbatches on {plan.dp} replicas x {plan.num_slots} slots, "

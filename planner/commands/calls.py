@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.jsonl import read_jsonl
-from planner.pack import pack
 from planner.calls.schedule import CallSchedule, min_call_schedule
 from planner.calls.segment_tree import SegmentTree, segment_tree_from_json
+from planner.jsonl import read_jsonl
+from planner.pack import pack
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,5 +5,6 @@
   greedy.py     trie-aware greedy construction
   refine.py     local refinement and elimination of a grouping
   balance.py    balancing by moving atoms, without adding compact work
+  flat.py       auto mode's choice of each microbatch's execution: its trie or its flat expansion
   baselines.py  peer microbatch planners, for comparison only (bench/planner.py)
 """

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from planner.microbatch.balance import balance_atoms
 from planner.microbatch.greedy import trie_greedy
 from planner.microbatch.refine import Grouping, eliminate_small, refine_boundaries, sparse_repair
 from planner.microbatch.search import evolve, exact_dp, k_candidates, natural_partition, sample_ks
+from planner.replica_share import ReplicaShare, check_replica, forward_backward_events
 from planner.trajectory import Trajectory, check_trajectories
 
 __all__ = ["PlannedMicrobatch", "MicrobatchPlan", "plan_microbatches", "assign_slots", "slot_work", "objective",
@@ -54,11 +55,17 @@ class PlannedMicrobatch:
     replica: int
     slot: int
     compact_tokens: int
+    flat: bool = False
+    """Run as its flat expansion (trajectory-wise, nothing shared) instead of its trie: auto mode's choice by the
+    cost model (`planner.microbatch.flat`)."""
 
 
 @dataclass(frozen=True)
 class MicrobatchPlan:
     """K microbatches ordered by (slot, replica); `method` names the candidate that won."""
+
+    carries: ClassVar[bool] = False
+    """Nothing crosses microbatches: each runs whole (`ReplicaShare.carries`)."""
 
     microbatches: tuple[PlannedMicrobatch, ...]
     dp: int
@@ -89,11 +96,21 @@ class MicrobatchPlan:
         """HARTS eq. 4 and then the number of slots (`objective`)."""
         return objective(*self._assignment(), self.dp)
 
+    def replica(self, dp_rank: int) -> ReplicaShare:
+        """Replica `dp_rank`'s share (`planner.replica_share`): its microbatches in slot order, each one unit, whole
+        (rows [0, compact work) of its trie), forward then backward."""
+        check_replica(dp_rank, self.dp)
+        mine = sorted((mb for mb in self.microbatches if mb.replica == dp_rank), key=lambda mb: mb.slot)
+        return ReplicaShare(units=tuple(mb.trajectories for mb in mine),
+                            parts=tuple(((k, 0, mb.compact_tokens),) for k, mb in enumerate(mine)),
+                            events=forward_backward_events(len(mine)), carries=self.carries,
+                            flat=tuple(mb.flat for mb in mine))
+
     def to_json(self) -> dict:
         return {
             "microbatches": [
                 {"trajectories": list(mb.trajectories), "replica": mb.replica, "slot": mb.slot,
-                 "compact_tokens": mb.compact_tokens}
+                 "compact_tokens": mb.compact_tokens, "flat": mb.flat}
                 for mb in self.microbatches
             ],
             "total_compact_tokens": self.total_compact_tokens,
@@ -221,7 +238,8 @@ def plan_microbatches(
         q_max: sampled K values of the evolution path (HARTS: 32).
         exact_cells: use the exact DP when K_min * N is at most this (its cost grows with K* N log N).
         greedy_max_n: build HARTS's trie-aware greedy candidate when N is at most this (HARTS: always; on SWE-like
-            steps of ~2,000 paths it costs ~1.5 s and is ~10% worse than the exact DP, so it is skipped there).
+            steps of ~2,000 paths it is slower and worse than the exact DP, so it is skipped there: bench/RESULTS.md,
+            "Microbatch planner").
         anchors: candidates of least work refined without contiguity (HARTS: 3).
     Raises:
         ValueError / TypeError: empty input, dp or capacity < 1, a trajectory longer than capacity (the message

@@ -23,7 +23,8 @@ from app.advantages import assign_advantages
 from app.config import ModelSection
 from app.policy import build_policy
 from models.microbatch import prepare_microbatch
-from parallel.carry_runner import CarryRunner
+from models.step import Step
+from parallel.plain_runner import PlainRunner
 from planner.jsonl import write_jsonl
 from planner.trajectory import Trajectory
 from rollout import demonstration_tree
@@ -54,7 +55,8 @@ def calculator_trees() -> list[Trajectory]:
         trajectories += tree.trajectories()
     assign_advantages(trajectories, "tree", scale_by_std=True)
     with torch.no_grad():
-        (logprobs,) = CarryRunner(policy).score([prepare_microbatch(trajectories, policy.config, torch.device("cpu"))])
+        step = Step.self_contained([prepare_microbatch(trajectories, policy.config, torch.device("cpu"))])
+        (logprobs,) = PlainRunner(policy).score(step)
     offsets = np.cumsum([0] + [len(t) for t in trajectories])
     out = []
     for t, lo, hi in zip(trajectories, offsets[:-1], offsets[1:]):

@@ -4,8 +4,8 @@ import pytest
 
 from app.__main__ import main
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.config_loader import load_config, parse_overrides, to_toml
+from app.errors import ConfigError
 
 
 def write(tmp_path, text):
@@ -22,7 +22,8 @@ def test_defaults_and_file_values(tmp_path):
 
 def test_overrides_win_and_parse_toml_values(tmp_path):
     config = load_config(
-        JobConfig, write(tmp_path, "[planner]\ncapacity = 4096\n"), ["--planner.capacity=8192", "--model.dtype=bfloat16"]
+        JobConfig, write(tmp_path, "[planner]\ncapacity = 4096\n"),
+        ["--planner.capacity=8192", "--model.dtype=bfloat16"],
     )
     assert config.planner.capacity == 8192 and config.model.dtype == "bfloat16"
     assert parse_overrides(["--a.b=1.5", "--a.c=true", "--a.d=hello"]) == {"a": {"b": 1.5, "c": True, "d": "hello"}}
@@ -42,7 +43,8 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[planner.cost]\nexpansion_per_tokn = 1e-5\n", [],
          r"unknown key `planner.cost.expansion_per_tokn` \(did you mean 'expansion_per_token'\?\)"),
         ("", ["--planner=3"], r"--section.key=value"),
-        ("[job]\nkind = 'plan'\n[rollout]\ntrajectories = 'missing.jsonl'\n", [], r"`rollout.trajectories`: file .*missing.jsonl does not exist"),
+        ("[job]\nkind = 'plan'\n[rollout]\ntrajectories = 'missing.jsonl'\n", [],
+         r"`rollout.trajectories`: file .*missing.jsonl does not exist"),
         ("[planner\n", [], r"invalid TOML"),
         ("[rollout]\nfan_out = 0\n", [], r"\[rollout\] `fan_out` must be a positive integer"),
         ("[rollout.vllm]\nenforce_eagr = true\n", [],
@@ -56,7 +58,8 @@ def test_overrides_win_and_parse_toml_values(tmp_path):
         ("[metrics]\nlog_dir = ''\n", [], r"`metrics.log_dir` is an empty path"),
         ("", ["--checkpoint.dir=none"], r"`checkpoint.dir` cannot be unset: give it a value"),
         ("", ["--train.lr=none"], r"`train.lr` must be a number, got 'none'"),
-        ("", ["--rollout.vllm.gpu_memory_utilization=0"], r"`rollout.vllm.gpu_memory_utilization` must lie in \(0, 1\]"),
+        ("", ["--rollout.vllm.gpu_memory_utilization=0"],
+         r"`rollout.vllm.gpu_memory_utilization` must lie in \(0, 1\]"),
         ("", ["--rollout.max_model_len=0"], r"`rollout.max_model_len` must be >= 1"),
         ("", ["--train.weight_decay=-0.1"], r"`train.weight_decay` must be >= 0"),
     ],

@@ -1,4 +1,4 @@
-"""The config-time faults of issue 18: each bad setting or unreadable file stops the job before any work with one
+"""The config-time faults: each bad setting or unreadable file stops the job before any work with one
 `error:` line naming the key (or the file and line) and exit code 2, with no traceback and nothing written.
 
 Most cases call `main` (or the checks) in this process: an escaping exception would fail the test, so returning 2
@@ -22,11 +22,10 @@ import app.rl_job
 from app.__main__ import main
 from app.config import JobConfig
 from app.config_loader import load_config
+from app.environments import make_environment
 from app.errors import ConfigError
 from app.policy import architecture, build_tokenizer
-from app.preflight import (check_engine, check_episodes, check_outputs, check_trainer, check_vllm,
-                           vllm_cpu_version)
-from app.environments import make_environment
+from app.preflight import check_engine, check_episodes, check_outputs, check_trainer, check_vllm, vllm_cpu_version
 from bench import fidelity, workloads
 from models.decoder import HybridForCausalLM
 from models.hf_io import save_hf
@@ -172,8 +171,9 @@ def test_rl_job_rejects_trajectories(tmp_path, capsys):
         (["--train.betas=[0.9, 1.0]"], "`train.betas` must be two values in [0, 1), got [0.9, 1.0]"),
         (["--rollout.vllm.dtype=fp8"], "`rollout.vllm.dtype` must be one of 'bfloat16', 'float16', 'half', "
                                        "'float32', 'float', 'auto', got 'fp8'"),
-        (["--planner.capacity=40", "--planner.mode=duplicate"], "`planner.capacity` = 40 is shorter than the longest possible path: "
-                                    "rollout.max_model_len (40) + rollout.max_env_tokens (8) = 48 tokens"),
+        (["--planner.capacity=40", "--planner.mode=duplicate"],
+         "`planner.capacity` = 40 is shorter than the longest possible path: "
+         "rollout.max_model_len (40) + rollout.max_env_tokens (8) = 48 tokens"),
         (["--rollout.max_model_len=8"], "`rollout.max_model_len` = 8 is too short for environment 'coin': a solved "
                                         "episode (prompt to last answer of its demonstrations) takes 14-14 tokens"),
         (["--rollout.max_env_tokens=2"], "`rollout.max_env_tokens` = 2 is shorter than an observation of "

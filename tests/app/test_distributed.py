@@ -1,9 +1,10 @@
 """The RL job on several CPU ranks (gloo) equals the job in one process.
 
 Covered on the way: ./run.sh's torchrun re-launch (`python -m app` with [parallel] degrees above 1), rank 0's torch
-engine, trees and plan for D replicas shared with every rank, each rank's replica step (the step runners of parallel.runner
-under FSDP2 and FSDP2 x TP, and pipeline stages on torch >= 2.14), step metrics summed over replicas, weight sync from the gathered shards, DCP
-checkpoints and --resume (also from one process to two ranks and back), the HF export from rank 0.
+engine, trees and plan for D replicas shared with every rank, each rank's replica step (the step runners of
+parallel.runner under FSDP2 and FSDP2 x TP, and pipeline stages on torch >= 2.14), step metrics summed over replicas,
+weight sync from the gathered shards, DCP checkpoints and --resume (also from one process to two ranks and back), the
+HF export from rank 0.
 
 float64 models: the runs differ only in summation order (the step is split into microbatches for D replicas,
 reductions are sharded), so per-step losses and the exported parameters agree to ~1e-12, and the torch engine

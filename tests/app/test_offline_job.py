@@ -21,10 +21,11 @@ from app.errors import ConfigError
 from app.policy import build_policy
 from models.hf_io import load_hf
 from models.microbatch import prepare_microbatch
-from parallel.carry_runner import CarryRunner
+from models.step import Step
+from parallel.plain_runner import PlainRunner
 from planner.jsonl import read_jsonl
-from tests.app.offline_trees import calculator_trees
 from tests.app.jobs import OUTPUTS, recording_batches
+from tests.app.offline_trees import calculator_trees
 from tests.app.test_distributed import launch, scalars
 from tests.app.test_rl_job import events, models_equal
 
@@ -93,7 +94,8 @@ def test_bundled_example_is_what_its_generator_writes():
 def answer_logprob_gap(model, trajectories) -> float:
     """Mean log-prob of the right final answers minus that of the wrong ones (their last 4 tokens)."""
     with torch.no_grad():
-        (logprobs,) = CarryRunner(model).score([prepare_microbatch(trajectories, model.config, torch.device("cpu"))])
+        step = Step.self_contained([prepare_microbatch(trajectories, model.config, torch.device("cpu"))])
+        (logprobs,) = PlainRunner(model).score(step)
     offsets = np.cumsum([0] + [len(t) for t in trajectories])
     answer = np.array([logprobs[hi - 4:hi].mean().item() for hi in offsets[1:]])
     right = np.array([t.reward == 1.0 for t in trajectories])
@@ -117,7 +119,8 @@ def test_offline_job_trains_on_the_recorded_trees(tmp_path, capsys, objective):
     prefix = "train" if objective == "rl" else "sft"
     loss = [e.value for e in acc.Scalars(f"{prefix}/loss")]
     assert [e.step for e in acc.Scalars(f"{prefix}/loss")] == list(range(1, 13))
-    assert {e.value for e in acc.Scalars("data/trees")} == {4.0} and {e.value for e in acc.Scalars("data/records")} == {16.0}
+    assert {e.value for e in acc.Scalars("data/trees")} == {4.0}
+    assert {e.value for e in acc.Scalars("data/records")} == {16.0}
     for tag in ("data/reward_mean", "train/compression", "time/step", f"{prefix}/entropy"):
         assert tag in acc.Tags()["scalars"], tag
     trees = read_jsonl(EXAMPLE)
@@ -232,7 +235,8 @@ def test_skipped_records_are_printed_and_counted(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "data: skipped " in out and "trees.jsonl:4: unreadable line: invalid JSON" in out
     assert "trees.jsonl:13: 'tokens' must be a non-empty list of integers" in out
-    assert Checkpointer(tmp_path / "a" / "ck").load()["data"]["skipped"] == 4  # lines 4 and 13 of epochs 1 and 2 (24 records of 11 per epoch)
+    # Lines 4 and 13 of epochs 1 and 2 (24 records of 11 per epoch).
+    assert Checkpointer(tmp_path / "a" / "ck").load()["data"]["skipped"] == 4
 
 
 def test_empty_data_is_an_error(tmp_path, capsys):
@@ -252,8 +256,8 @@ def test_a_path_longer_than_a_microbatch_is_a_bad_record_in_duplicate_mode_only(
     (message,) = [m for m in out.splitlines() if m.startswith("error:")]
     path = tmp_path / "a" / "trees.jsonl"
     assert message == f"error: bad trajectory record at step 2: {path}:8: field 'tokens': path of 60 tokens exceeds " \
-                      "planner.capacity = 48: duplicate mode runs every path whole in one microbatch (a tree may span " \
-                      "several); shorten or drop it, raise planner.capacity to at least its length, or set " \
+                      "planner.capacity = 48: duplicate mode runs every path whole in one microbatch (a tree may " \
+                      "span several); shorten or drop it, raise planner.capacity to at least its length, or set " \
                       "planner.mode = 'carry' or 'auto' (without pipeline parallelism), which cut paths; fix the " \
                       "record or set data.on_bad_record = \"skip\"", message
     assert Checkpointer(tmp_path / "a" / "ck").load()["progress"] == {"offline_done": 1}
@@ -341,8 +345,8 @@ def test_a_bad_line_inside_a_tree_stops_or_skips_the_whole_tree(tmp_path, capsys
      r"`data.trajectories`: '.*/nothing/\*.jsonl' matches no file"),
     ('[job]\nkind = "offline"\n[data]\ntrajectories = "job.toml"\n', r"`data.trajectories`: .*job.toml is not a "
                                                                      r"\.jsonl file"),
-], ids=["trajectories-in-rl", "offline-without-trajectories", "objective-in-rl", "tasks-and-trajectories", "trees-in-rl",
-        "no-match", "not-jsonl"])
+], ids=["trajectories-in-rl", "offline-without-trajectories", "objective-in-rl", "tasks-and-trajectories",
+        "trees-in-rl", "no-match", "not-jsonl"])
 def test_config_errors(tmp_path, text, error):
     (tmp_path / "trees.jsonl").write_text(GOOD + "\n")
     (tmp_path / "job.toml").write_text(text)
@@ -369,7 +373,8 @@ def test_two_ranks_stopped_mid_epoch_and_resumed_equal_uninterrupted(tmp_path):
     assert models_equal(final["got"]["model"], final["want"]["model"])
     assert models_equal(final["got"]["optimizer"], final["want"]["optimizer"])
     assert scalars(got.parent, "train/loss") == scalars(want.parent, "train/loss")
-    worst = max((final["want"]["model"][k] - final["one"]["model"][k]).abs().max().item() for k in final["one"]["model"])
+    want, one = final["want"]["model"], final["one"]["model"]
+    worst = max((want[k] - one[k]).abs().max().item() for k in one)
     assert worst < 1e-9, worst  # the same records in one process: only the summation order differs
 
 

@@ -25,13 +25,12 @@ import app.rl_job
 from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
-from app.errors import ConfigError
 from app.config_loader import load_config
 from app.engines import build_engine
+from app.errors import ConfigError
 from models.hf_io import load_hf
-from models.ops import kernel_cache
-from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
-from models.ops.varlen_attention import cuda_attention
+from models.ops.kernel_cache import TRITON_CACHE_ENV
+from models.ops.settings import KernelSettings
 from models.presets import preset
 from rollout.engine import Engine, EngineError
 from tests.app.jobs import write_job
@@ -91,49 +90,54 @@ def test_run_logs_checkpoints_and_exports(tmp_path, capsys):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tmp_path, monkeypatch):
+def _kernel_cache(config: JobConfig):
+    return app.job._kernel_cache(config, app.job._kernel_settings(config))
+
+
+def test_gpu_jobs_keep_kernels_beside_their_checkpoints_unless_told_otherwise(tmp_path, monkeypatch,
+                                                                             clean_kernel_env):
     """On CUDA (faked: only the device is resolved) the kernel cache is `kernel-cache` beside `checkpoint.dir`; the
-    user's TRITON_CACHE_DIR wins over that default, `train.kernel_cache` over both; a folder that cannot be made is
-    an error naming the key."""
+    user's TRITON_CACHE_DIR wins over that default, `train.kernel_cache` (the policy's
+    `KernelSettings.kernel_cache`) over both; a folder that cannot be made is an error naming the key."""
     monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
-    for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(kernel_cache, "_set_here", None)
-    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
     job = str(write_job(tmp_path))
-    cache = app.job._kernel_cache(load_config(JobConfig, job, []))
+    cache = _kernel_cache(load_config(JobConfig, job, []))
     assert cache.folder == tmp_path / "kernel-cache" and cache.folder.is_dir() and cache.source == "default"
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
-    assert app.job._kernel_cache(load_config(JobConfig, job, [])).folder == tmp_path / "user"
-    cache = app.job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'kc'}"]))
+    assert _kernel_cache(load_config(JobConfig, job, [])).folder == tmp_path / "user"
+    config = load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'kc'}"])
+    assert app.job._kernel_settings(config).kernel_cache == tmp_path / "kc"
+    cache = _kernel_cache(config)
     assert cache.folder == tmp_path / "kc" and cache.source == "train.kernel_cache"
     assert os.environ[TRITON_CACHE_ENV] == str(tmp_path / "kc")
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="`train.kernel_cache`: cannot create"):
-        app.job._kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
+        _kernel_cache(load_config(JobConfig, job, [f"--train.kernel_cache={tmp_path / 'file' / 'kc'}"]))
+
+
+def _attention_kernels(config: JobConfig, model) -> tuple[KernelSettings, str | None]:
+    return app.job._attention_kernels(config, model, app.job._kernel_settings(config))
 
 
 def test_gpu_jobs_run_the_chosen_attention_kernels(tmp_path, monkeypatch, no_fa4):
-    """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode and the job's line names it; the
-    default "auto" without flash-attn-4 is flash, saying why; fa4 without it is one error naming the key and the
-    fix; another value is refused by the config loader; CPU jobs ignore the key."""
+    """On CUDA (faked) `train.attention_kernels` picks the kernel pair of every mode (the policy's
+    `KernelSettings.attention`) and the job's line names it; the default "auto" without flash-attn-4 is flash, saying
+    why; fa4 without it is one error naming the key and the fix; another value is refused by the config loader; CPU
+    jobs ignore the key; `train.fused_rowwise` is the settings' row-wise choice."""
     monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
     job, model = str(write_job(tmp_path)), preset("tiny-qwen3-next")
-    line = app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]), model)
-    assert cuda_attention() == "flash" and line == "attention kernels: flash"
-    line = app.job._use_attention_kernels(load_config(JobConfig, job, []), model)
-    assert cuda_attention() == "flash"
+    kernels, line = _attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=flash"]), model)
+    assert kernels == KernelSettings(attention="flash") and line == "attention kernels: flash"
+    kernels, line = _attention_kernels(load_config(JobConfig, job, ["--train.fused_rowwise=false"]), model)
+    assert kernels == KernelSettings(fused_rowwise=False, attention="flash")
     assert line.startswith('attention kernels: flash (train.attention_kernels = "auto": flash-attn-4 is not importable')
     with pytest.raises(ConfigError, match="attention_kernels"):
         load_config(JobConfig, job, ["--train.attention_kernels=fa3"])
     with pytest.raises(ConfigError, match='`train.attention_kernels` = "fa4": flash-attn-4 is not importable'):
-        app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]), model)
-    assert cuda_attention() == "flash"
+        _attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]), model)
     monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cpu"))
-    assert app.job._use_attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]),
-                                             model) is None
-    assert cuda_attention() == "flash"
+    assert _attention_kernels(load_config(JobConfig, job, ["--train.attention_kernels=fa4"]),
+                              model) == (KernelSettings(), None)
 
 
 def test_gpu_jobs_run_fa4_by_default_where_it_can_run(tmp_path, monkeypatch, fake_fa4):
@@ -141,12 +145,12 @@ def test_gpu_jobs_run_fa4_by_default_where_it_can_run(tmp_path, monkeypatch, fak
     one whose were not."""
     monkeypatch.setattr(app.job, "resolve_device", lambda name: torch.device("cuda"))
     config = load_config(JobConfig, str(write_job(tmp_path)), [])
-    line = app.job._use_attention_kernels(config, preset("tiny-kimi-linear"))
-    assert cuda_attention() == "fa4"
+    kernels, line = _attention_kernels(config, preset("tiny-kimi-linear"))
+    assert kernels.attention == "fa4"
     assert line == ('attention kernels: fa4 (train.attention_kernels = "auto": flash-attn-4 can run here, on head '
                     'dims it was tested with)')
-    line = app.job._use_attention_kernels(config, preset("qwen3-next-80b-a3b"))
-    assert cuda_attention() == "flash" and "head dims 256/256 GQA" in line
+    kernels, line = _attention_kernels(config, preset("qwen3-next-80b-a3b"))
+    assert kernels.attention == "flash" and "head dims 256/256 GQA" in line
 
 
 def app_process(config: Path, *args: str) -> subprocess.Popen:

@@ -67,7 +67,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_resumes_exactly(tmp_path, uni
 
 
 def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkeypatch, uninterrupted):
-    prepare = app.job.prepare_planned
+    prepare = app.job.prepare_step
     calls = []
 
     def crash_in_rl_step_2(*args, **kwargs):
@@ -76,7 +76,7 @@ def test_a_failing_step_keeps_the_last_consistent_state(tmp_path, capsys, monkey
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(app.job, "prepare_planned", crash_in_rl_step_2)
+    monkeypatch.setattr(app.job, "prepare_step", crash_in_rl_step_2)
     config = write_job(tmp_path)
     assert main([str(config), "--checkpoint.interval=0"]) == 1
     out = capsys.readouterr().out
@@ -205,7 +205,7 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_keeps_the_earlier_run(tm
     def crash(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(app.job, "prepare_planned", crash)
+    monkeypatch.setattr(app.job, "prepare_step", crash)
     assert main([str(config)]) == 1
     out = capsys.readouterr().out
     assert "nothing was trained: no checkpoint was written" in out

@@ -28,7 +28,7 @@ def test_logprobs_are_those_of_the_tempered_model():
     for c in result.completions:
         ids = torch.tensor(prompt + list(c.token_ids))
         with torch.no_grad():
-            logits = model(ids).logits[len(prompt) - 1 : -1].double() / 0.7
+            logits = model.flat_forward(ids).logits[len(prompt) - 1 : -1].double() / 0.7
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), expected, rtol=0, atol=1e-5)
 

@@ -3,7 +3,7 @@
 Reference: every trajectory through the model's flat forward separately (no trie, no plan), log-softmax of
 logits / temperature, tests.reference.reference_token_weights over all positions of the step, one policy_loss, one
 backward. Tested: the step loss and every parameter gradient after gradient accumulation over several planned
-microbatches (parallel.replica.prepare_replica + parallel.plain_runner.PlainRunner.train_step, the path of every
+microbatches (parallel.replica.prepare_step + parallel.plain_runner.PlainRunner.train_step, the path of every
 rank), with KL, truncated IS, both aggregations and a sampling temperature; `PlainRunner.score` against the same
 reference; non-finite losses and skipped optimizer steps (app.train_step.optimizer_step).
 """
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from app.objectives import PolicyLossConfig, policy_loss
 from app.losses import RouterLossConfig, rl_loss
+from app.objectives import PolicyLossConfig, policy_loss
 from app.train_step import optimizer_step
 from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.presets import preset
 from parallel.plain_runner import PlainRunner
-from parallel.replica import prepare_replica
+from parallel.replica import prepare_step
 from planner.microbatch.plan import plan_microbatches
 from tests.reference import reference_token_weights
 
@@ -61,8 +61,8 @@ def step_trajectories(seed: int = 0):
 
 def plan_step(trajectories, model, capacity: int, aggregation: str = "token-mean"):
     plan = plan_microbatches(trajectories, capacity, 1)
-    return prepare_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
-                           aggregation=aggregation, device=torch.device("cpu"))
+    return prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=model.config,
+                        aggregation=aggregation, device=torch.device("cpu"))
 
 
 def flat_step(model, trajectories, config: PolicyLossConfig, temperature: float):
@@ -70,7 +70,7 @@ def flat_step(model, trajectories, config: PolicyLossConfig, temperature: float)
     logprobs = []
     for t in trajectories:
         ids = torch.as_tensor(t.tokens)
-        logits = model(ids).logits / temperature
+        logits = model.flat_forward(ids).logits / temperature
         lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])[:, 0]
         logprobs.append(torch.cat([lp.new_zeros(1), lp]))
     logprobs_S = torch.cat(logprobs)
@@ -112,17 +112,17 @@ def test_microbatched_tree_step_equals_flat_full_batch(aggregation):
     index = {id(t): i for i, t in enumerate(trajectories)}
     for mb, scored in zip(mbs, runner.score(mbs, temperature=temperature)):
         expected = torch.cat([flat_logprobs[offsets[index[id(t)]]:offsets[index[id(t)] + 1]]
-                              for t in mb.batch.trajectories])
+                              for t in mb.batches[0].trajectories])
         torch.testing.assert_close(scored, expected.detach(), rtol=0, atol=1e-10)
 
 
 def test_step_plan_covers_the_step_once():
     trajectories = step_trajectories()
     mbs = plan_step(trajectories, small_model(), 10_000)
-    assert sum(mb.batch.num_semantic for mb in mbs) == sum(len(t) for t in trajectories)
-    assert sum(mb.batch.num_compact for mb in mbs) < sum(len(t) for t in trajectories)
+    assert sum(mb.batches[0].num_semantic for mb in mbs) == sum(len(t) for t in trajectories)
+    assert sum(mb.batches[0].num_compact for mb in mbs) < sum(len(t) for t in trajectories)
     assert sum(mb.loss.token_share for mb in mbs) == pytest.approx(1.0)
-    assert sorted(id(t) for mb in mbs for t in mb.batch.trajectories) == sorted(map(id, trajectories))
+    assert sorted(id(t) for mb in mbs for t in mb.batches[0].trajectories) == sorted(map(id, trajectories))
 
 
 def test_non_finite_loss_and_gradients_are_not_applied():
@@ -132,7 +132,7 @@ def test_non_finite_loss_and_gradients_are_not_applied():
     trajectories = step_trajectories()
     trajectories[3].advantage[:] = np.nan
     mbs = plan_step(trajectories, model, 160)
-    bad = next(i for i, mb in enumerate(mbs) if trajectories[3] in mb.batch.trajectories)
+    bad = next(i for i, mb in enumerate(mbs) if trajectories[3] in mb.batches[0].trajectories)
     runner = PlainRunner(model)
     result = runner.train_step(mbs, rl_loss(PolicyLossConfig(), RouterLossConfig()), entropy=True)
     assert result.non_finite == bad and not np.isfinite(result.loss)

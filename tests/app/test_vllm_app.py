@@ -64,7 +64,7 @@ def bf16_policy(seed: int):
 def flat_logprobs(model, prompt, completion) -> np.ndarray:
     ids = torch.tensor(list(prompt) + list(completion))
     with torch.no_grad():
-        logits = model(ids).logits[len(prompt) - 1 : -1].double() / TEMPERATURE
+        logits = model.flat_forward(ids).logits[len(prompt) - 1 : -1].double() / TEMPERATURE
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
 
 

@@ -15,11 +15,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from app.torch_engine import TorchEngine
 from app.weight_sync import sync_weights
+from bench.live_bytes import LiveBytes
 from models.decoder import HybridForCausalLM
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from tests.parallel.harness import run_ranks, small_config
-from bench.live_bytes import LiveBytes
 
 #: The bucket as a fraction of the model's bytes: small enough that a full copy could not pass the bound.
 BUCKET_FRACTION = 8

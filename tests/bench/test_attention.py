@@ -2,16 +2,17 @@
 layout of a flat microbatch is its causal mask, unsupported backends print one reason line, and the table runs."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import attention
-from bench.kernel_choice import add_kernel_choice_options, use_kernel_choice
+from bench.kernel_choice import add_kernel_choice_options, kernel_choice
 from bench.speed import first_fit_flat
 from bench.workloads import swe_like_step
 from models.attention_core import VarlenCausalMask
-from models.ops.varlen_attention import cuda_attention
+from models.ops.settings import KernelSettings
 
 TINY = ["--device", "cpu", "--token-scale", "0.002", "--model", "tiny-kimi-linear", "--repeat", "1"]
 
@@ -62,23 +63,27 @@ def test_fa4_names_what_it_lacks(no_fa4):
         attention.backend_attention("fa4", flat, cuda)
 
 
-def test_a_backend_runs_its_pair_and_restores_the_one_in_use(fake_fa4):
-    """A row's attention runs with its pair chosen (the autograd Functions keep that pair's backward) and leaves the
-    pair in use as it was."""
+def test_a_backend_runs_training_s_attention_with_its_pair(fake_fa4):
+    """A row of a CUDA pair runs the case's training attention with that pair (the autograd Functions keep its
+    backward), each row its own."""
+    flat = attention.flat_case([5, 3], torch.device("cpu"))
     seen = []
-    run = attention.with_cuda_attention("fa4", lambda q, k, v: seen.append(cuda_attention()))
-    run(None, None, None)
-    assert seen == ["fa4"] and cuda_attention() == "flash"
+    case = attention.Case("flat", 8, 8, kernels=lambda pair: lambda q, k, v: seen.append(pair),
+                          reference=flat.reference, flex_layout=flat.flex_layout)
+    for name in ("fa4", "flash"):
+        attention.backend_attention(name, case, torch.device("cuda"))(None, None, None)
+    assert seen == ["fa4", "flash"]
 
 
 def test_the_attention_kernels_option_exits_with_the_reason(no_fa4):
     parser = argparse.ArgumentParser()
     add_kernel_choice_options(parser)
     with pytest.raises(SystemExit, match="--attention-kernels fa4: flash-attn-4 is not importable"):
-        use_kernel_choice(parser.parse_args(["--attention-kernels", "fa4"]))
-    args = parser.parse_args([])
-    use_kernel_choice(args)
-    assert cuda_attention() == "flash" and args.attention_kernels == "flash"
+        kernel_choice(parser.parse_args(["--attention-kernels", "fa4"]))
+    args = parser.parse_args(["--reference-rowwise"])
+    kernels = kernel_choice(args, kernels=KernelSettings(kernel_cache=Path("kc")))
+    assert kernels == KernelSettings(fused_rowwise=False, attention="flash", kernel_cache=Path("kc"))
+    assert args.attention_kernels == "flash"
 
 
 def test_the_default_attention_kernels_are_fa4_where_it_can_run(fake_fa4):
@@ -87,5 +92,4 @@ def test_the_default_attention_kernels_are_fa4_where_it_can_run(fake_fa4):
     parser = argparse.ArgumentParser()
     add_kernel_choice_options(parser)
     args = parser.parse_args([])
-    use_kernel_choice(args)
-    assert cuda_attention() == "fa4" and args.attention_kernels == "fa4"
+    assert kernel_choice(args) == KernelSettings(attention="fa4") and args.attention_kernels == "fa4"

@@ -1,5 +1,5 @@
 """The benchmarks' --kernel-cache (bench.kernel_cache): parsed by every GPU benchmark, set as TRITON_CACHE_DIR and
-named on stderr (stdout may carry JSON)."""
+named on stderr (stdout may carry JSON), and the folder of the kernel settings the benchmark's model gets."""
 
 import argparse
 import os
@@ -7,26 +7,20 @@ import os
 import pytest
 
 from bench.kernel_cache import add_kernel_cache_option, open_kernel_cache
-from models.ops import kernel_cache
-from models.ops.kernel_cache import FA4_CACHE_ENV, FA4_CACHE_ON_ENV, TRITON_CACHE_ENV
+from models.ops.kernel_cache import TRITON_CACHE_ENV
 
 
-def test_the_option_sets_and_names_the_cache(tmp_path, monkeypatch, capsys):
-    for name in (FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
+def test_the_option_sets_and_names_the_cache(tmp_path, monkeypatch, capsys, clean_kernel_env):
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
-    monkeypatch.setattr(kernel_cache, "_set_here", None)
     parser = argparse.ArgumentParser()
     add_kernel_cache_option(parser)
-    open_kernel_cache(parser.parse_args(["--kernel-cache", str(tmp_path / "kc")]))
+    kernels = open_kernel_cache(parser.parse_args(["--kernel-cache", str(tmp_path / "kc")]))
+    assert kernels.kernel_cache == tmp_path / "kc"
     out = capsys.readouterr()
     assert os.environ[TRITON_CACHE_ENV] == str(tmp_path / "kc") and (tmp_path / "kc").is_dir()
     assert out.out == "" and f"kernel cache {tmp_path / 'kc'} (empty" in out.err and "from --kernel-cache" in out.err
     monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
-    monkeypatch.setattr(kernel_cache, "_set_here", None)
-    open_kernel_cache(parser.parse_args([]))
+    assert open_kernel_cache(parser.parse_args([])).kernel_cache is None
     assert f"kernel cache {tmp_path / 'user'} " in capsys.readouterr().err, "without the option TRITON_CACHE_DIR holds"
 
 

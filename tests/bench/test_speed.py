@@ -36,7 +36,7 @@ def test_speed_runs_and_reports(tmp_path, capsys):
 
 
 def test_carry_context_cost_is_the_time_beyond_rows_and_views():
-    """This session's H200 numbers: a refit of 65.1 us/row + 1.83 us/view row predicts 9.477 s for carry's 111,505
+    """H200 numbers of one carry step: a refit of 65.1 us/row + 1.83 us/view row predicts 9.477 s for carry's 111,505
     rows and 1,211,398 view rows; it took 9.85 s with 31,078 context rows."""
     samples = [(111_505, 1_211_398, 31_078, 9.85)]
     beyond = 9.85 - (65.1e-6 * 111_505 + 1.83e-6 * 1_211_398)
@@ -156,7 +156,8 @@ def test_bad_recompute_option(capsys, option, message):
 
 
 def test_mfu_line_names_both_forms_for_the_modes_that_ran():
-    """Session 11's flat 6 N MFU 0.094; the modes without an MFU (a CPU run) print nothing."""
+    """Run F's flat 6 N MFU with the references (bench/RESULTS.md), 0.094; the modes without an MFU (a CPU run)
+    print nothing."""
     row = {"flat": {"mfu": 0.094, "mfu_attention": 0.161}, "tree": {"seconds": 1.0},
            "carry": {"mfu": 0.08, "mfu_attention": 0.2}}
     assert mfu_text(row) == ("; MFU flat 0.094, carry 0.080 (6 N per executed row), flat 0.161, carry 0.200 with "

@@ -31,7 +31,8 @@ def test_extra_time_is_split_between_flash_and_the_rest():
 
 
 def test_speed_prints_the_ceiling():
-    """Session 5's numbers: tree kernels 5.071 s against 4.780 s ideal, F/B/Grad 4.28x: 0.94 of a 4.54x ceiling."""
+    """An earlier H200 run's numbers: tree kernels 5.071 s against 4.780 s ideal, F/B/Grad 4.28x: 0.94 of a 4.54x
+    ceiling."""
     share = 4.780 / 5.071
     line = ceiling_line("swe", {"tree_kernel_s": 5.071, "ideal_s": 4.780, "share": share,
                                 "ceiling_speedup": 4.28 / share})
@@ -39,9 +40,9 @@ def test_speed_prints_the_ceiling():
 
 
 def test_carry_ceiling_is_the_whole_step_against_flat_costs():
-    """H200 numbers: session 9's carry step (9.420 s of kernels for 111,505 rows and 3.150e9 pairs, 9.96 s timed)
-    against session 8's fullest flat microbatch (64,268 rows, 1.0326e9 pairs, 4.165 s of which flash 1.154 s) and
-    flat step (80.41 s): ideal 8.74 s, share 0.93, ceiling 8.70x."""
+    """H200 numbers: a carry step (9.420 s of kernels for 111,505 rows and 3.150e9 pairs, 9.96 s timed) against
+    the fullest flat microbatch of the same workload (64,268 rows, 1.0326e9 pairs, 4.165 s of which flash 1.154 s)
+    and its flat step (80.41 s): ideal 8.74 s, share 0.93, ceiling 8.70x."""
     flat = KernelWork(rows=64_268, pairs=1.0326e9, kernel_s=4.165, flash_s=1.154)
     carry = KernelWork(rows=111_505, pairs=3.150e9, kernel_s=9.420, flash_s=3.751)
     e = ceiling_of(flat, carry, 80.41 / 9.96)

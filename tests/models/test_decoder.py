@@ -40,8 +40,8 @@ def test_packed_equals_separate_sequences(name):
     model = build(name)
     ids = ids_for(LENGTHS)
     with torch.no_grad():
-        packed = model(ids, cu_seqlens=cu(LENGTHS))
-        parts = [model(part) for part in ids.split(LENGTHS)]
+        packed = model.flat_forward(ids, cu_seqlens=cu(LENGTHS))
+        parts = [model.flat_forward(part) for part in ids.split(LENGTHS)]
     separate = torch.cat([p.logits for p in parts])
     err = ((packed.logits - separate).norm() / separate.norm()).item()
     print(f"packed vs separate: rel err {err:.2e}")
@@ -58,9 +58,9 @@ def test_positions_restart_per_sequence_and_batch_input_is_packed(name):
     ids = ids_for((75, 75))
     positions = torch.cat([torch.arange(75), torch.arange(75)])
     with torch.no_grad():
-        default = model(ids, cu_seqlens=cu((75, 75))).logits
-        explicit = model(ids, position_ids=positions, cu_seqlens=cu((75, 75))).logits
-        batched = model(ids.view(2, 75)).logits
+        default = model.flat_forward(ids, cu_seqlens=cu((75, 75))).logits
+        explicit = model.flat_forward(ids, position_ids=positions, cu_seqlens=cu((75, 75))).logits
+        batched = model.flat_forward(ids.view(2, 75)).logits
     assert torch.equal(default, explicit)
     assert torch.equal(batched.view(150, -1), default)
 
@@ -69,8 +69,8 @@ def test_positions_reach_rope():
     model = build("tiny-qwen3-next")
     ids = ids_for((30,))
     with torch.no_grad():
-        a = model(ids).logits
-        b = model(ids, position_ids=torch.arange(30) * 7).logits
+        a = model.flat_forward(ids).logits
+        b = model.flat_forward(ids, position_ids=torch.arange(30) * 7).logits
     assert (a - b).abs().max() > 1e-3
 
 
@@ -82,7 +82,7 @@ def test_activation_checkpointing_gives_the_same_gradients(name):
     for layers in (False, [0, 3]):
         model.zero_grad()
         model.set_activation_checkpointing(layers)
-        out = model(ids, cu_seqlens=cu((70, 20)))
+        out = model.flat_forward(ids, cu_seqlens=cu((70, 20)))
         stats = [s for s in out.moe_stats if s is not None]
         (out.logits.square().mean() + models.load_balancing_loss(sum(stats[1:], stats[0]))).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -96,7 +96,7 @@ def test_tied_embeddings():
     assert model.lm_head_weight is model.model.embed_tokens.weight
     ids = ids_for((20,))
     with torch.no_grad():
-        out = model(ids)
+        out = model.flat_forward(ids)
     assert torch.equal(out.logits, out.hidden @ model.model.embed_tokens.weight.T)
     assert torch.equal(model.hidden_states(ids).hidden, out.hidden)
 
@@ -108,8 +108,8 @@ def test_float64_model_agrees_with_float32(name):
     model64.load_state_dict(model.state_dict())
     ids = ids_for((70,))
     with torch.no_grad():
-        ref = model64(ids).logits
-        out = model(ids).logits
+        ref = model64.flat_forward(ids).logits
+        out = model.flat_forward(ids).logits
     assert ref.dtype == torch.float64
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -118,10 +118,10 @@ def test_bad_inputs_are_refused():
     model = build("tiny-qwen3-next")
     ids = ids_for((10,))
     with pytest.raises(ValueError, match="cu_seqlens"):
-        model(ids, cu_seqlens=torch.tensor([0, 4, 9]))
+        model.flat_forward(ids, cu_seqlens=torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="position_ids"):
-        model(ids, position_ids=torch.arange(9))
+        model.flat_forward(ids, position_ids=torch.arange(9))
     with pytest.raises(ValueError, match="input_ids"):
-        model(ids.view(1, 1, 10))
+        model.flat_forward(ids.view(1, 1, 10))
     with pytest.raises(ValueError, match="cu_seqlens"):
-        model(ids.view(2, 5), cu_seqlens=torch.tensor([0, 5, 10]))
+        model.flat_forward(ids.view(2, 5), cu_seqlens=torch.tensor([0, 5, 10]))

@@ -56,7 +56,7 @@ def test_load_hf_logits_match_transformers(pair, ids):
     hf, _, ours = pair
     with torch.no_grad():
         ref = hf(ids).logits
-        out = ours(ids).logits
+        out = ours.flat_forward(ids).logits
     err = rel(out, ref)
     print(f"logits rel err {err:.2e}, max abs diff {(out - ref).abs().max():.2e}")
     assert err < LOGITS_RTOL
@@ -68,7 +68,7 @@ def test_load_hf_gradients_match_transformers(pair, ids):
     hf.zero_grad()
     ours.zero_grad()
     (hf(ids).logits * weight).sum().backward()
-    (ours(ids).logits * weight).sum().backward()
+    (ours.flat_forward(ids).logits * weight).sum().backward()
     theirs = dict(hf.named_parameters())
     errors = {name: rel(p.grad, theirs[name].grad) for name, p in ours.named_parameters()}
     decay = {n for n in errors if n.endswith(("A_log", "dt_bias"))}
@@ -86,7 +86,7 @@ def test_load_balancing_loss_of_pooled_stats_is_transformers_aux_loss(tmp_path):
     ids = torch.randint(1, 1024, (1, 90), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = hf(ids, output_router_logits=True).aux_loss
-        stats = ours(ids).moe_stats
+        stats = ours.flat_forward(ids).moe_stats
     pooled = sum(stats[1:], stats[0])
     assert abs(load_balancing_loss(pooled).item() - ref.item()) < 1e-6 * ref.item()
 
@@ -108,7 +108,7 @@ def test_transformers_loads_save_hf(pair, ids, tmp_path):
     reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
     assert type(reloaded) is type(hf)
     with torch.no_grad():
-        assert rel(reloaded(ids).logits, ours(ids).logits) < LOGITS_RTOL
+        assert rel(reloaded(ids).logits, ours.flat_forward(ids).logits) < LOGITS_RTOL
     for name, tensor in hf.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
 
@@ -121,7 +121,8 @@ def test_save_hf_shards_and_writes_checkpoint_layout(pair, tmp_path):
     assert len(shard_files) > 1
     # Same tensor names as transformers' own save_pretrained (the on-disk layout vLLM reads), except that
     # transformers names Kimi-Linear's dense-layer MLP `block_sparse_moe.` where the original checkpoints say `mlp.`.
-    theirs = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp.") for k in load_file(hf_path / "model.safetensors")}
+    theirs = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp.")
+              for k in load_file(hf_path / "model.safetensors")}
     assert set(index["weight_map"]) == theirs
     assert dict(models.checkpoint_tensors(ours)).keys() == theirs
     again = models.load_hf(tmp_path)

@@ -12,7 +12,11 @@ from hypothesis import given, settings
 
 from models import logprobs
 from models.logprobs import (
-    VocabShards, compact_logprobs, naive_compact_logprobs, sharded_compact_logprobs, whole_chunks,
+    VocabShards,
+    compact_logprobs,
+    naive_compact_logprobs,
+    sharded_compact_logprobs,
+    whole_chunks,
 )
 from planner.pack import pack
 from planner.trajectory import Trajectory
@@ -132,8 +136,9 @@ def test_a_rows_bf16_logprob_does_not_depend_on_the_rows_sharing_its_chunk(devic
     """Tree and flat microbatches put a row into chunks of other sizes and other company (ling-3-tiny's LM head: 426
     rows per chunk), so bitwise tree-vs-flat log-probs need each row's log-prob to be the same bits whatever rows
     share its chunk: all 900 rows, the last 48 alone, and all rows shuffled (on the CPU chunks of 426, 426, 48 and
-    one of 48; on CUDA every chunk is padded to 426 rows). The CUDA case has ling-3-tiny's LM-head shape and has not
-    yet run on an H200 (issue 20: a 1.9e-6 log-prob difference with bitwise-equal hidden states, session 12)."""
+    one of 48; on CUDA every chunk is padded to 426 rows). The CUDA case has ling-3-tiny's LM-head shape; it guards
+    against a 1.9e-6 tree-vs-flat log-prob difference with bitwise-equal hidden states (its GPU runs:
+    bench/RESULTS.md, "GPU: CUDA tests")."""
     g = torch.Generator().manual_seed(4)
     C = 900
     hidden = torch.randn(C, D, generator=g).to(device, torch.bfloat16)

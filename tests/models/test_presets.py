@@ -27,7 +27,8 @@ def _sizes(name: str) -> tuple[float, float]:
     with torch.device("meta"):
         model = models.HybridForCausalLM(config)
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in model.modules() if isinstance(m, MoE))
+    routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
+                 for m in model.modules() if isinstance(m, MoE))
     return total, total - routed * (1 - config.moe.top_k / config.moe.num_experts)
 
 
@@ -96,7 +97,8 @@ def test_vllm_reads_kimi_linear_config_json():
     kda = [vllm_config.is_kda_layer(i) for i in range(config.num_layers)]
     assert kda == [t == "linear_attention" for t in config.layer_types]
     assert vllm_config.mla_use_nope and vllm_config.is_moe
-    assert (vllm_config.num_experts, vllm_config.num_experts_per_token, vllm_config.first_k_dense_replace) == (256, 8, 1)
+    routing = (vllm_config.num_experts, vllm_config.num_experts_per_token, vllm_config.first_k_dense_replace)
+    assert routing == (256, 8, 1)
     assert vllm_config.moe_router_activation_func == "sigmoid" and vllm_config.routed_scaling_factor == 2.446
 
 

@@ -20,7 +20,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 import models
 from models import recompute
 from models.recompute import (
-    SAVE_GROUPS, LayerRecompute, SelectiveRecompute, parse_recompute_option, save_ops, without_saved_ops,
+    SAVE_GROUPS,
+    LayerRecompute,
+    SelectiveRecompute,
+    parse_recompute_option,
+    save_ops,
+    without_saved_ops,
 )
 from tests.models.test_decoder import build, cu, ids_for
 
@@ -88,7 +93,7 @@ class OpCounter(TorchDispatchMode):
 def backward_mm_calls(model, recompute, forward_context=contextlib.nullcontext) -> int:
     model.set_activation_checkpointing(recompute)
     with forward_context():
-        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+        out = model.flat_forward(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
     counter = OpCounter()
     with counter:
         out.logits.square().mean().backward()
@@ -197,7 +202,7 @@ def test_fa4_forward_is_kept_by_the_attention_group(save, forward_calls, monkeyp
                                         softmax_scale)
 
     monkeypatch.setattr(fa4, "fa4_interface", lambda: FakeInterface)
-    monkeypatch.setattr(function, "varlen_kernels", lambda x: (fa4.fa4_varlen_forward, naive_varlen_backward))
+    monkeypatch.setattr(function, "varlen_kernels", lambda x, pair: (fa4.fa4_varlen_forward, naive_varlen_backward))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(11, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
     cu_ = torch.tensor([0, 4, 11])
@@ -223,10 +228,10 @@ def test_selective_gives_the_same_gradients(name, option):
     model.keep_upcast_buffers()
     ids, lengths = ids_for((70, 20)), (70, 20)
     results = []
-    for recompute in (False, OPTIONS[option]):
+    for checkpointing in (False, OPTIONS[option]):
         model.zero_grad()
-        model.set_activation_checkpointing(recompute)
-        out = model(ids, cu_seqlens=cu(lengths))
+        model.set_activation_checkpointing(checkpointing)
+        out = model.flat_forward(ids, cu_seqlens=cu(lengths))
         stats = [s for s in out.moe_stats if s is not None]
         (out.logits.square().mean() + models.load_balancing_loss(sum(stats[1:], stats[0]))).backward()
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -260,7 +265,7 @@ def test_saved_op_outputs_are_not_written_after_they_are_made(name):
     model.set_activation_checkpointing(SelectiveRecompute(save=tuple(SAVE_GROUPS)))
     watch = SavedOutputWatch(save_ops(tuple(SAVE_GROUPS)))
     with watch:
-        out = model(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
+        out = model.flat_forward(ids_for((40, 9)), cu_seqlens=cu((40, 9)))
         out.logits.square().mean().backward()
     assert len(watch.made) > 10
     changed = [(op, tuple(t.shape)) for op, t, version in watch.made if t._version != version]

@@ -6,7 +6,7 @@ an exception in any rank fails the test with that rank's traceback.
 `compare_step(...)`, run in every rank: build the same small model on every rank (same seed), compute the reference
 in-process on the plain model (the whole step packed as ONE batch, tests.reference.reference_token_weights over all
 positions), then parallelize a copy, plan the step's microbatches (planner.microbatch.plan, capacity = compact rows per
-microbatch), prepare this replica's (`parallel.replica.prepare_replica`), run them with
+microbatch), prepare this replica's step (`parallel.replica.prepare_step`), run it with
 `parallel.plain_runner.PlainRunner`, and compare the summed loss
 and every parameter gradient (gathered with DTensor.full_tensor) with the reference.
 """
@@ -29,13 +29,13 @@ from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.presets import preset
-from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.plain_runner import PlainRunner
-from parallel.replica import prepare_replica
+from parallel.replica import prepare_step
 from planner.calls.plan import plan_calls
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
@@ -116,7 +116,8 @@ def reference_step(model, trajectories, loss_config):
     batch = pack(trajectories)
     chunk = model.config.linear_attention.chunk_size
     layout = TreeLayout.build(batch, plan_calls(batch, chunk), model.config.linear_attention.conv_size)
-    lp, out = tree_logprobs(model, layout)
+    out = model(TreeContext(layout))
+    lp = out.logprobs
     w = reference_token_weights(torch.as_tensor(batch.loss_mask), torch.as_tensor(batch.traj_index),
                                 batch.num_trajectories, loss_config.aggregation) * torch.as_tensor(batch.weight)
     terms = policy_loss(lp, lp.detach(), torch.as_tensor(batch.advantage), w, loss_config)
@@ -143,8 +144,8 @@ def compare_step(preset_name: str, parallel: dict, capacity: int, trees: int,
     parallelize_for_job(model, job)
     plan = plan_microbatches(trajectories, capacity, job.config.dp)
     dp_group = job.meshes.dp.get_group()
-    mine = prepare_replica(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
-                           aggregation=aggregation, device=job.device)
+    mine = prepare_step(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
+                        aggregation=aggregation, device=job.device)
     semantic_tokens = sum(len(t) for t in trajectories)
 
     def loss_fn(lp, mb, output):

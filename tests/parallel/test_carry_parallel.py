@@ -15,10 +15,10 @@ from app.objectives import PolicyLossConfig, policy_loss
 from models.carry_microbatch import prepare_carry_step
 from models.decoder import HybridForCausalLM
 from models.microbatch import StepNormalizer, trained_counts
-from parallel.carry_runner import CarryRunner
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.metrics import reduce_step
+from parallel.plain_runner import PlainRunner
 from tests.models.tree.test_carry_microbatch_layout import carry_parts
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
 
@@ -55,7 +55,7 @@ def carry_parallel_step(preset_name: str, parallel: dict, activation_checkpointi
         terms = policy_loss(lp, lp.detach(), mb.loss.advantage, mb.loss.token_weight, loss_config)
         return terms.loss + z_loss(output, semantic_tokens), {"policy": terms.policy}
 
-    metrics = CarryRunner(model, dp_group=dp_group).train_step(step, loss_fn)
+    metrics = PlainRunner(model, dp_group=dp_group).train_step(step, loss_fn)
     total = reduce_step(metrics, dp_group)
     assert total["semantic_tokens"] == semantic_tokens
     loss_err = abs(total["loss"] - ref_loss) / abs(ref_loss)

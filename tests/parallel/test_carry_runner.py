@@ -1,8 +1,8 @@
-"""Prefix carry (issue #17) equals trajectory-wise training (float64, CPU, <= 1e-10 relative).
+"""Prefix carry equals trajectory-wise training (float64, CPU, <= 1e-10 relative).
 
 Two rollout trees, each cut into parts at rows chosen here (forks at B-1, B and B+1 of the chunk grid right at part
 boundaries, and cuts inside a segment); microbatch k holds part k of each tree; they run through
-`parallel.carry_runner.CarryRunner` in the default event order (forwards, then backwards in reverse). The reference
+`parallel.plain_runner.PlainRunner` in the default event order (forwards, then backwards in reverse). The reference
 is the model's flat packed forward over every trajectory separately (no trie, no plan, no carry), with the step's
 loss weights over all positions. Compared: per-position log-probs, the step loss, the router z-loss (linear in the
 rows, so its sum over microbatches is the trajectory-wise one), the load-balancing loss of each microbatch against
@@ -20,18 +20,19 @@ import numpy as np
 import pytest
 import torch
 
-from models.carry_microbatch import CarryStep, prepare_carry_step
+from models.carry_microbatch import prepare_carry_step
 from models.decoder import FlatContext, flat_context
 from models.linear_attention import LinearAttention
 from models.microbatch import StepNormalizer, trained_counts
 from models.moe import load_balancing_loss, pooled_stats, router_z_loss
+from models.step import Step
 from models.tree.carry_exchange import LATENT_NAMES, NAMES, CarryExchange
-from parallel import carry_runner
-from parallel.carry_runner import CarryRunner
+from parallel import plain_runner
+from parallel.plain_runner import PlainRunner
 from planner.pack import pack
+from tests.models.test_recompute import OPTIONS
 from tests.models.tree.test_carry_microbatch_layout import carry_parts, step_trees
 from tests.models.tree.test_execute import make_model
-from tests.models.test_recompute import OPTIONS
 from tests.reference import reference_token_weights
 
 TOL = 1e-10
@@ -59,7 +60,7 @@ class WeightedFlatContext(FlatContext):
         return self.weight
 
 
-def flat_reference(model, trees, step: CarryStep):
+def flat_reference(model, trees, step: Step):
     """Per-position log-probs [S] (trees, then trajectories, in order), the step loss, the z-loss, and each
     microbatch's load-balancing loss restricted to its rows; all from flat forwards of every trajectory."""
     trajectories = [t for ts in trees for t in ts]
@@ -140,7 +141,7 @@ def test_carry_equals_trajectory_wise(name, recompute):
     assert any(mb.call_plan.external_state_context.size for mb in step)
 
     model.set_activation_checkpointing(recompute)
-    runner = CarryRunner(model)
+    runner = PlainRunner(model)
     result = runner.train_step(step, microbatch_loss)
 
     lp_ref, loss_ref, z_ref, balance_ref, tree_offsets = flat_reference(reference, trees, step)
@@ -180,11 +181,11 @@ def test_carry_ablation_without_injected_gradients_fails(monkeypatch, dropped, n
                         leaf.grad = None
             super().backward(slot)
 
-    monkeypatch.setattr(carry_runner, "CarryExchange", Dropping)
+    monkeypatch.setattr(plain_runner, "CarryExchange", Dropping)
     reference, model = make_model(name, torch.float64), make_model(name, torch.float64)
     trees = step_trees(model.config.chunk_size, model.config.vocab_size)
     step = prepare(trees, model)
-    CarryRunner(model).train_step(step, microbatch_loss)
+    PlainRunner(model).train_step(step, microbatch_loss)
     flat_reference(reference, trees, step)[1].backward()
     assert max(relative_errors(reference, model).values()) > 1e-4
     expected = LATENT_NAMES if name == "tiny-kimi-linear" else NAMES["attention"]
@@ -208,7 +209,7 @@ def test_single_trajectory_longer_than_a_microbatch():
                               normalizer=StepNormalizer(*counts))
     assert [len(mb.links.producers) for mb in step] == [0, 1, 2, 3, 0]
     model.set_activation_checkpointing(True)
-    runner = CarryRunner(model)
+    runner = PlainRunner(model)
     result = runner.train_step(step, microbatch_loss)
     lp_ref, loss_ref, _, _, tree_offsets = flat_reference(reference, trees, step)
     loss_ref.backward()
@@ -231,4 +232,4 @@ def test_event_order_errors(events, message):
     step = prepare_carry_step(trees, [[(0, 0, rows // 2)], [(0, rows // 2, rows)]], model.config,
                               torch.device("cpu"), events=events, normalizer=StepNormalizer(*counts))
     with pytest.raises(ValueError, match=message):
-        CarryRunner(model).train_step(step, microbatch_loss)
+        PlainRunner(model).train_step(step, microbatch_loss)

@@ -11,7 +11,7 @@ from parallel.checkpoint import TrainingState, build_optimizers, save_tensors
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
 from parallel.plain_runner import PlainRunner
-from parallel.replica import prepare_replica
+from parallel.replica import prepare_step
 from planner.microbatch.plan import plan_microbatches
 from tests.parallel.harness import run_ranks, small_config, step_trajectories
 
@@ -47,8 +47,8 @@ def save_then_resume_resharded(folder):
     job, model, optimizers, state = build({"ep": 2}, seed=0)
     trajectories = step_trajectories(config, trees=1)
     dp_group = job.meshes.dp.get_group()
-    mine = prepare_replica(trajectories, plan_microbatches(trajectories, 192, job.config.dp), dp_rank=job.dp_rank,
-                           dp_group=dp_group, model_config=config, aggregation="token-mean", device=job.device)
+    mine = prepare_step(trajectories, plan_microbatches(trajectories, 192, job.config.dp), dp_rank=job.dp_rank,
+                        dp_group=dp_group, model_config=config, aggregation="token-mean", device=job.device)
     PlainRunner(model, dp_group=dp_group).train_step(mine, lambda lp, mb, out: (lp.sum() * 1e-3, {}))
     optimizers.step()
     save_tensors(state.tensors(), folder)

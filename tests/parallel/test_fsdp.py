@@ -4,9 +4,10 @@ collective could hang."""
 
 import pytest
 
+from models.microbatch import prepare_microbatch
+from models.step import Step
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed
-from models.microbatch import prepare_microbatch
 from parallel.plain_runner import PlainRunner
 from tests.parallel.harness import compare_step, run_ranks, small_config, step_trajectories
 
@@ -21,8 +22,9 @@ def fsdp_then_unequal_counts():
     model = HybridForCausalLM(small_config("tiny-qwen3-next"))
     trajectories = step_trajectories(model.config, trees=1)
     mine = [prepare_microbatch(g, model.config, job.device) for g in [trajectories[:2], trajectories[2:4]]]
+    step = Step.self_contained(mine[: 2 - job.dp_rank])
     with pytest.raises(ValueError, match="every replica must run the same number"):
-        PlainRunner(model, dp_group=job.meshes.dp.get_group()).train_step(mine[: 2 - job.dp_rank], lambda *a: None)
+        PlainRunner(model, dp_group=job.meshes.dp.get_group()).train_step(step, lambda *a: None)
 
 
 def test_fsdp_step_matches_single_process():

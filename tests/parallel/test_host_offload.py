@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import host_offload
-from parallel.carry_runner import CarryRunner
-from parallel.host_offload import offloaded_forwards, stays
-from tests.models.tree.test_carry_microbatch_layout import step_trees
-from tests.models.tree.test_execute import make_model
 from models.recompute import SelectiveRecompute
+from parallel import host_offload
+from parallel.host_offload import offloaded_forwards, stays
+from parallel.plain_runner import PlainRunner
 from tests.models.test_decoder import build
 from tests.models.test_recompute import OPTIONS, backward_mm_calls
+from tests.models.tree.test_carry_microbatch_layout import step_trees
+from tests.models.tree.test_execute import make_model
 from tests.parallel.test_carry_runner import TOL, flat_reference, microbatch_loss, prepare, relative_errors
 
 F, B = "forward", "backward"
@@ -38,7 +38,8 @@ def test_which_forwards_are_offloaded(events, resident, expected):
 
 
 class RoundTrip:
-    """CPU stand-ins for the device <-> host copies: every packed tensor is copied (floating ones scaled by 1.5, for the ablation)."""
+    """CPU stand-ins for the device <-> host copies: every packed tensor is copied (floating ones scaled by 1.5, for
+    the ablation)."""
 
     def __init__(self, monkeypatch, corrupt=False):
         self.packed = 0
@@ -68,7 +69,7 @@ def test_every_held_microbatch_offloaded_equals_trajectory_wise(monkeypatch, rec
     assert len(held) >= 2, "the step must keep microbatches open while others run"
     copies = RoundTrip(monkeypatch)
     model.set_activation_checkpointing(recompute)
-    result = CarryRunner(model, resident=0).train_step(step, microbatch_loss)
+    result = PlainRunner(model, resident=0).train_step(step, microbatch_loss)
     assert copies.packed > 0
     loss_ref = flat_reference(reference, trees, step)[1]
     loss_ref.backward()
@@ -85,7 +86,7 @@ def test_offloaded_activations_are_the_ones_the_backward_reads(monkeypatch):
     trees = step_trees(model.config.chunk_size, model.config.vocab_size)
     step = prepare(trees, model)
     RoundTrip(monkeypatch, corrupt=True)
-    CarryRunner(model, resident=0).train_step(step, microbatch_loss)
+    PlainRunner(model, resident=0).train_step(step, microbatch_loss)
     flat_reference(reference, trees, step)[1].backward()
     assert max(relative_errors(reference, model).values()) > 1e-4
 
@@ -102,7 +103,7 @@ def test_selective_keeps_no_op_output_past_the_hooks():
 
 def test_resident_must_not_be_negative():
     with pytest.raises(ValueError, match="resident"):
-        CarryRunner(make_model("tiny-kimi-linear", torch.float64), resident=-1)
+        PlainRunner(make_model("tiny-kimi-linear", torch.float64), resident=-1)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -120,7 +121,7 @@ def test_parameters_and_their_views_stay(recompute):
 
     trees = step_trees(model.config.chunk_size, model.config.vocab_size)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        CarryRunner(model, resident=9).train_step(prepare(trees, model), microbatch_loss)
+        PlainRunner(model, resident=9).train_step(prepare(trees, model), microbatch_loss)
     assert moved and all(t.is_floating_point() for t in moved)
     assert not any(t.untyped_storage().data_ptr() in storages for t in moved)
     assert any(t.untyped_storage().data_ptr() in storages for t in kept), "the forward saves weights (or views)"

@@ -8,8 +8,8 @@ import torch
 from models.decoder import HybridForCausalLM
 from models.ffn import SwiGLU
 from models.norms import RMSNorm
-from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 from parallel.parallelize import apply_compile
 from planner.calls.plan import plan_calls
 from planner.pack import pack
@@ -29,7 +29,7 @@ def test_compiled_rowwise_modules_match_eager():
         layout = TreeLayout.build(batch, plan_calls(batch, 16), 4)
         outputs = []
         for model in (eager, compiled):
-            lp, _ = tree_logprobs(model, layout)
+            lp = model(TreeContext(layout)).logprobs
             (lp * torch.as_tensor(batch.advantage)).sum().backward()
             outputs.append(lp)
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-12, atol=1e-12)

@@ -2,8 +2,8 @@
 single-process loss, every parameter gradient and the expert loads of the whole step packed as one batch, and the
 single-process log-probs (scored at a temperature) and entropies, with the planner's microbatches (of different
 compact row counts) and activation recomputation, through parallel.pipeline_runner.PipelineRunner (the reference
-scores come from parallel.plain_runner.PlainRunner on the unsplit model); below torch 2.14, pp > 1 is refused with
-the reason."""
+scores come from parallel.plain_runner.PlainRunner on the unsplit model), which refuses a carry step; below torch
+2.14, pp > 1 is refused with the reason."""
 
 import pytest
 import torch
@@ -12,14 +12,17 @@ import torch.distributed as dist
 from app.objectives import PolicyLossConfig, policy_loss
 from models.decoder import HybridForCausalLM
 from models.presets import preset
+from models.step import Step
+from models.tree.mixers import TreeContext
 from parallel.config import ParallelConfig, pipeline_support
 from parallel.launch import init_distributed
 from parallel.metrics import global_expert_counts, reduce_step
 from parallel.pipeline import pipeline_for_job, stage_layers
 from parallel.pipeline_runner import PipelineRunner
 from parallel.plain_runner import PlainRunner
-from parallel.replica import prepare_replica
+from parallel.replica import prepare_step
 from planner.microbatch.plan import plan_microbatches
+from planner.step_plan import plan_step
 from tests.parallel.harness import TOLERANCES, reference_step, run_ranks, small_config, step_trajectories, z_loss
 
 
@@ -34,11 +37,11 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
     trajectories = step_trajectories(config, trees)
     plan = plan_microbatches(trajectories, capacity, job.config.dp)
     dp_group = job.meshes.dp.get_group()
-    mbs = prepare_replica(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
-                          aggregation=loss_config.aggregation, device=job.device)
+    mbs = prepare_step(trajectories, plan, dp_rank=job.dp_rank, dp_group=dp_group, model_config=config,
+                       aggregation=loss_config.aggregation, device=job.device)
     ref_scores = PlainRunner(model).score(mbs, temperature=0.7)
     with torch.no_grad():
-        ref_entropy = [model(mb.layout, entropy=True).entropy for mb in mbs]
+        ref_entropy = [model(TreeContext(mb.layout), entropy=True).entropy for mb in mbs]
     reference = HybridForCausalLM(config)
     reference.load_state_dict(model.state_dict())
     ref_loss, ref_grads, ref_counts = reference_step(reference, trajectories, loss_config)
@@ -55,7 +58,7 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
         terms = policy_loss(lp, lp.detach(), mb.loss.advantage, mb.loss.token_weight, loss_config)
         return terms.loss + z_loss(output, S), {"policy": terms.policy}
 
-    rows = {mb.batch.num_compact for mb in mbs}
+    rows = {mb.num_compact for mb in mbs}
     assert len(mbs) >= 2 and len(rows) > 1, f"want microbatches of different row counts, got {len(mbs)}: {rows}"
     scores = runner.score(mbs, temperature=0.7)
     for got, want in zip(scores, ref_scores, strict=True):
@@ -91,10 +94,16 @@ def compare_pipeline(preset_name: str, parallel: dict, capacity: int, trees: int
               f"tolerance, rows per microbatch {sorted(rows)}")
     if parallel.get("pp_schedule", "1F1B") == "1F1B":
         too_few = PipelineRunner(pipelined)
+        one = Step.self_contained(mbs.microbatches[:1])
         with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
-            too_few.train_step(mbs[:1], loss_fn)
+            too_few.train_step(one, loss_fn)
         with pytest.raises(ValueError, match="1F1B schedule needs at least `parallel.pp`"):
-            too_few.score(mbs[:1])
+            too_few.score(one)
+    carried = prepare_step(trajectories, plan_step(trajectories, capacity, job.config.dp, "carry"),
+                           dp_rank=job.dp_rank, dp_group=None, model_config=config,
+                           aggregation=loss_config.aggregation, device=job.device)
+    with pytest.raises(NotImplementedError, match="carry context"):
+        runner.train_step(carried, loss_fn)
 
 
 @pytest.mark.pipeline

@@ -1,14 +1,17 @@
 """parallel.replica: the global normalisers give each microbatch its share of the whole step's loss weights (against
-an independent whole-step reference), and replicas get their microbatches in slot order."""
+an independent whole-step reference), and replicas get their share of either plan (`plan.replica`) in slot
+order."""
 
 import numpy as np
 import pytest
 import torch
 
 from models.microbatch import token_weights
-from parallel.replica import prepare_replica, replica_microbatches, step_normalizer
+from parallel.replica import prepare_step, step_normalizer
+from planner.carry.plan import CarryMicrobatch, CarryPart, CarryPlan
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
+from planner.replica_share import forward_backward_events
 from tests.parallel.harness import small_config, step_trajectories
 from tests.reference import reference_token_weights
 
@@ -35,22 +38,24 @@ def test_replica_microbatches_in_slot_order():
     trajectories = step_trajectories(small_config("tiny-qwen3-next"), trees=2)
     plan = plan_microbatches(trajectories, 128, dp=2)
     for d in range(2):
-        mine = replica_microbatches(plan, trajectories, d)
+        share = plan.replica(d)
         slots = sorted((mb.slot, mb.trajectories) for mb in plan.microbatches if mb.replica == d)
-        assert [[id(t) for t in mb] for mb in mine] == [[id(trajectories[i]) for i in s[1]] for s in slots]
+        assert list(share.units) == [s[1] for s in slots] and not share.carries
+        assert [[u for u, _, _ in parts] for parts in share.parts] == [[k] for k in range(len(slots))]
+        assert share.events == forward_backward_events(len(slots))
     with pytest.raises(ValueError, match="outside the plan's 2 replicas"):
-        replica_microbatches(plan, trajectories, 2)
+        plan.replica(2)
 
 
 def test_prepared_replica_covers_the_step_once_with_its_loss_inputs():
     config = small_config("tiny-qwen3-next")
     trajectories = step_trajectories(config, trees=2)
     plan = plan_microbatches(trajectories, 128, dp=1)
-    mbs = prepare_replica(trajectories, plan, dp_rank=0, dp_group=None, model_config=config,
-                          aggregation="token-mean", device=torch.device("cpu"))
+    mbs = prepare_step(trajectories, plan, dp_rank=0, dp_group=None, model_config=config,
+                       aggregation="token-mean", device=torch.device("cpu"))
     assert len(mbs) == len(plan.microbatches) >= 2
-    assert sum(mb.batch.num_semantic for mb in mbs) == sum(len(t) for t in trajectories)
-    assert sorted(id(t) for mb in mbs for t in mb.batch.trajectories) == sorted(map(id, trajectories))
+    assert sum(mb.batches[0].num_semantic for mb in mbs) == sum(len(t) for t in trajectories)
+    assert sorted(id(t) for mb in mbs for t in mb.batches[0].trajectories) == sorted(map(id, trajectories))
     assert sum(mb.loss.token_share for mb in mbs) == pytest.approx(1.0)
     trained = sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajectories)
     assert sum(float(mb.loss.token_weight.sum()) for mb in mbs) == pytest.approx(1.0)
@@ -58,29 +63,24 @@ def test_prepared_replica_covers_the_step_once_with_its_loss_inputs():
 
 
 def test_prepared_carry_replica_takes_its_parts_in_slot_order():
-    """A CarryPlan-shaped plan over two replicas: each replica gets its trees' parts in slot order and its events
-    with slots renumbered."""
-    from types import SimpleNamespace
-
-    from parallel.replica import prepare_carry_replica
-
+    """A CarryPlan over two replicas: each replica gets its trees' parts in slot order and its events with slots
+    renumbered."""
     config = small_config("tiny-qwen3-next")
     trajectories = step_trajectories(config, trees=2)
     trees = [tuple(i for i, t in enumerate(trajectories) if t.tree == name)
              for name in dict.fromkeys(t.tree for t in trajectories)]
     rows = [pack([trajectories[i] for i in tree]).num_compact for tree in trees]
-    part = lambda tree, start, stop: SimpleNamespace(tree=tree, start=start, stop=stop)  # noqa: E731
     microbatches = [
-        SimpleNamespace(parts=(part(0, 20, rows[0]),), replica=0, slot=3),
-        SimpleNamespace(parts=(part(0, 0, 20),), replica=0, slot=1),
-        SimpleNamespace(parts=(part(1, 0, rows[1]),), replica=1, slot=1),
+        CarryMicrobatch((CarryPart(0, 20, rows[0]),), replica=0, slot=3, compact_tokens=rows[0] - 20),
+        CarryMicrobatch((CarryPart(0, 0, 20),), replica=0, slot=1, compact_tokens=20),
+        CarryMicrobatch((CarryPart(1, 0, rows[1]),), replica=1, slot=1, compact_tokens=rows[1]),
     ]
     events = [[("forward", 1), ("forward", 3), ("backward", 3), ("backward", 1)],
               [("forward", 1), ("forward", -1), ("backward", -1), ("backward", 1)]]
-    plan = SimpleNamespace(trees=tuple(trees), microbatches=tuple(microbatches), capacity=200, dp=2,
-                           events=tuple(map(tuple, events)))
-    steps = [prepare_carry_replica(trajectories, plan, dp_rank=r, dp_group=None, model_config=config,
-                                   aggregation="token-mean", device=torch.device("cpu")) for r in range(2)]
+    plan = CarryPlan(tuple(trees), tuple(microbatches), capacity=200, dp=2, events=tuple(map(tuple, events)))
+    steps = [prepare_step(trajectories, plan, dp_rank=r, dp_group=None, model_config=config,
+                          aggregation="token-mean", device=torch.device("cpu")) for r in range(2)]
+    assert all(step.carries for step in steps)
     assert [[(p.start, p.stop) for p in mb.parts] for mb in steps[0]] == [[(0, 20)], [(20, rows[0])]]
     assert steps[0].events == (("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0))
     assert steps[1].events == (("forward", 0), ("forward", -1), ("backward", -1), ("backward", 0))

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from models.decoder import HybridForCausalLM
 from models.presets import preset
-from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 from parallel.checkpoint import TrainingState, build_optimizers, save_tensors
 from parallel.config import ParallelConfig
 from parallel.launch import init_distributed, parallelize_for_job
@@ -67,7 +67,7 @@ def one_row_step_then_save_and_resume_under_another_layout(folder):
     plain, model, optimizers, state = build(ep=4, seed=0)
     fewer_rows_than_tp_ranks(model, plain, config)
     # A microbatch with targets, so that every parameter (the LM head too) has a gradient and AdamW state.
-    lp, _ = tree_logprobs(model, tree_layout(config, [5, 9, 11, 3]))
+    lp = model(TreeContext(tree_layout(config, [5, 9, 11, 3]))).logprobs
     lp.sum().backward()
     optimizers.step()
     save_tensors(state.tensors(), folder)
@@ -97,7 +97,7 @@ def fewer_rows_than_tp_ranks(model, reference, config):
     probe_D = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     hidden = []
     for m in (reference, model):
-        _, out = tree_logprobs(m, layout)
+        out = m(TreeContext(layout))
         z = torch.stack([s.z_sum for s in out.moe_stats if s is not None]).sum()
         ((out.hidden * probe_D).sum() + z).backward()
         hidden.append(out.hidden)

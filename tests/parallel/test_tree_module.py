@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from models.decoder import HybridForCausalLM
 from models.logprobs import compact_logprobs
 from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 from parallel.collectives import copy_to_group
 from parallel.tree_module import use_vocab_parallel_logprobs
 from parallel.vocab_parallel import vocab_parallel_compact_logprobs
@@ -26,7 +27,7 @@ def test_tree_output_tensors_are_pytree_leaves():
     config = small_config("tiny-qwen3-next")
     model = HybridForCausalLM(config)
     batch = pack(step_trajectories(config, trees=1)[:3])
-    out = model(TreeLayout.build(batch, plan_calls(batch, 16), 4))
+    out = model(TreeContext(TreeLayout.build(batch, plan_calls(batch, 16), 4)))
     leaves = pytree.tree_leaves(out)
     moe = [s for s in out.moe_stats if s is not None]
     assert any(t is out.logprobs for t in leaves) and any(t is out.hidden for t in leaves)

@@ -87,8 +87,8 @@ def node(nid, parent, tokens):
         ([node("R", None, 3), {"id": "A", "parent": "R"}], 'exactly the keys "id", "parent", "tokens"'),
         ([], "non-empty list"),
     ],
-    ids=["cycle", "self-parent", "unknown-parent", "list-parent", "two-roots", "zero-tokens", "float-tokens", "duplicate-id",
-         "missing-key", "empty"],
+    ids=["cycle", "self-parent", "unknown-parent", "list-parent", "two-roots", "zero-tokens", "float-tokens",
+         "duplicate-id", "missing-key", "empty"],
 )
 def test_invalid_segment_json(tmp_path, capsys, nodes, message):
     code, out, err = run_cli(capsys, write(tmp_path, {"nodes": nodes}))

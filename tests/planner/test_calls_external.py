@@ -1,12 +1,12 @@
-"""External roots and exported states of `planner.calls.plan` (prefix carry, issue #17): a part of a larger tree starts
+"""External roots and exported states of `planner.calls.plan` (prefix carry): a part of a larger tree starts
 its sequences at a(p) from the outside path's state and replays the path's rows [a(p), p); a producer part asks its
 plan for the states after chosen rows. Plans without external roots are unchanged (the other plan tests)."""
 
 import numpy as np
 import pytest
 
-from planner.calls.plan import build_execution_plan
 from planner.calls.min_calls import mandatory_replay
+from planner.calls.plan import build_execution_plan
 from planner.calls.schedule import min_call_schedule
 from planner.calls.segment_tree import SegmentTree
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.calls.plan import build_execution_plan, plan_calls, plan_segment_tree
 from planner.calls.min_calls import mandatory_replay
-from planner.pack import pack
+from planner.calls.plan import build_execution_plan, plan_calls, plan_segment_tree
 from planner.calls.schedule import min_call_schedule
 from planner.calls.segment_tree import SegmentTree
+from planner.pack import pack
 from planner.trajectory import Trajectory
 from tests.planner.trees import rollout_batches
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from planner.pack import pack
 from planner.calls.segment_tree import SegmentTree
+from planner.pack import pack
 from planner.trajectory import Trajectory
 
 

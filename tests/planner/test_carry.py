@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.carry.plan import ContextSizes, SortedStep, plan_carry
 from planner.carry.balance import Unit
+from planner.carry.plan import ContextSizes, SortedStep, plan_carry
 from planner.microbatch.plan import plan_microbatches
 from planner.pack import pack
 from planner.trajectory import Trajectory

@@ -44,7 +44,7 @@ def test_plan_seconds_charges_the_heaviest_microbatch_of_each_slot():
 
 
 def test_defaults_are_the_fit_of_the_recorded_h200_steps():
-    """The defaults reproduce their measurements (bench/RESULTS.md, sessions 8-9; rows, view rows and context rows
+    """The defaults reproduce their measurements (docs/history.md; rows, view rows and context rows
     from the plans of `bench.workloads.swe_like_step` at scale 0.01, capacity 65,536): seed 5's three HARTS
     microbatches, its carry step and seed 4's, full recomputation, within 0.3%; and the least-squares fit of those
     points is the defaults to 3 digits."""

@@ -142,7 +142,7 @@ def test_json_shape():
     trajectories = [Trajectory([1, 2, 3]), Trajectory([1, 2, 4]), Trajectory([5, 6])]
     out = plan_microbatches(trajectories, capacity=4, dp=2).to_json()
     assert set(out) == {"microbatches", "total_compact_tokens", "planning_seconds"}
-    assert all(set(mb) == {"trajectories", "replica", "slot", "compact_tokens"} for mb in out["microbatches"])
+    assert all(set(mb) == {"trajectories", "replica", "slot", "compact_tokens", "flat"} for mb in out["microbatches"])
     assert out["total_compact_tokens"] == sum(mb["compact_tokens"] for mb in out["microbatches"])
 
 

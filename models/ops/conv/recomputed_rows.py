@@ -5,8 +5,8 @@ sequences, F recomputed rows.
 
 Tree execution convolves each input sequence from its path's W-1 preceding rows, which lie elsewhere in the packing
 (`models.tree.layout.conv_context_rows`). Passing them as fla's initial state runs the kernels' initial-state
-variants; on the H200 those took 44 ms forward and 88 ms backward (its extra initial-state gradient kernel included)
-of a 65k-row SWE microbatch of ling-3-tiny, against 33 and 70 ms at flat's cost per row (session 19 profile). Here
+variants, which cost more per row than flat's, forward and backward (an extra initial-state gradient kernel; the
+profile: bench/RESULTS.md, "Profiled costs behind design choices"). Here
 the sequences run as flat packing runs them (every sequence from zeros, the same kernels), and only each sequence's
 first W-1 rows, the rows whose window reaches before its start, are recomputed: short sequences of [valid history
 rows, first rows], gathered from `[x; extra]` and convolved from zeros, replace those rows' outputs. The values are

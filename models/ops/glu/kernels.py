@@ -6,9 +6,9 @@ Legend: R rows (leading dims flattened), D width, B elements per program.
 Elementwise over the flattened `[R, D]` rows (each may be a row-strided view, like the halves of a gate|up product):
 an element's result never depends on another element, on B or on the warp count. B and the warp count are fixed
 and nothing is autotuned: fla's `swiglu` / `sigmoidglu` kernels, which these replace, compile and time 30 configs
-per width on first use, a third of a cold first step's compilations (bench/RESULTS.md, session 13, also for how
-this config compares with fla's tuned ones). The formulas and their fp32 order are fla's
-(fla/modules/activations/ops.py, fla 0.6.0).
+per width on first use, a large share of a cold first step's compilations (docs/history.md, "the first step with a
+cold and a warm kernel cache"; how this config compares with fla's tuned ones: "own GLU kernels"). The formulas
+and their fp32 order are fla's (fla/modules/activations/ops.py, fla 0.6.0).
 Imported by `models.ops.glu.fused` only (triton import).
 """
 

@@ -1,6 +1,6 @@
 """A round's two chunk-state recurrences in one launch each: every sequence of the round runs its pieces (cut at
-chunk boundaries, each piece a call's rows, `models.tree.layout.RoundChains`) one after the other in one program,
-the state in registers, and writes its state at the end of every piece into the layer's state table.
+chunk boundaries, each piece a call's rows: `models.ops.kda.call_arrays.ChainArrays`) one after the other in one
+program, the state in registers, and writes its state at the end of every piece into the layer's state table.
 
 Legend: T the layer's calls' rows, NT their chunks, M state-table entries, N_r sequences of the round, P_r their
 pieces, H query/key heads, HV value heads, K/V head dims (K <= 256, in blocks of 64).
@@ -10,7 +10,8 @@ The kernels are fla 0.6.0's `chunk_gated_delta_rule_fwd_kernel_h_blockdim64` and
 gate `gk`, K-first fp32 states, varlen, new values saved), the same operations on the same operands per chunk, only
 the loop over a sequence's chunks runs over its pieces' chunks. Call by call, piece j+1 starts from the fp32 state
 piece j wrote into the table; here it continues from the registers that held it, so the forward's chunk states, new
-values and table entries are the same bits (`tests/models/ops/test_kda_calls.py` on the H200).
+values and table entries are the same bits (`tests/models/ops/test_kda_calls.py`; its GPU runs: bench/RESULTS.md,
+"GPU: CUDA tests").
 
 Backward walks the pieces in reverse: before a piece's last chunk it adds the gradient of the piece's table entry
 (what later rounds' sequences starting from it, and the caller, gave it) to the state gradient in registers; call by
@@ -38,7 +39,7 @@ from fla.ops.utils.op import exp2
 from models.ops.tuned_configs import CONFIG_DIR_ENV
 
 if TYPE_CHECKING:
-    from models.tree.round_chains import RoundChains
+    from models.ops.kda.call_arrays import ChainArrays
 
 __all__ = ["bwd_config", "bwd_dhu_chains", "fwd_config", "fwd_h_chains", "launch_config"]
 
@@ -324,7 +325,7 @@ def _cached_config(folder: str | None, kernel: str, key: tuple) -> dict | None:
 
 
 def fwd_h_chains(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                 gk: torch.Tensor, table: torch.Tensor, chains: RoundChains, chunk_size: int, store_states: bool,
+                 gk: torch.Tensor, table: torch.Tensor, chains: ChainArrays, chunk_size: int, store_states: bool,
                  config: dict) -> None:
     """One round's forward recurrence: the chunk states of its pieces into h `[1, NT, HV, K, V]` and their new values
     into v_new `[1, T, HV, V]` (the layer's buffers, k's dtype), each sequence starting from its `chains.init` entry
@@ -345,7 +346,7 @@ def fwd_h_chains(h: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, w: torch
 
 def bwd_dhu_chains(dh: torch.Tensor, dv2: torch.Tensor, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
                    do: torch.Tensor, dv: torch.Tensor, gk: torch.Tensor, d_table: torch.Tensor, scale: float,
-                   chains: RoundChains, chunk_size: int, config: dict) -> torch.Tensor:
+                   chains: ChainArrays, chunk_size: int, config: dict) -> torch.Tensor:
     """One round's backward recurrence: the chunk-state gradients of its pieces into dh `[1, NT, HV, K, V]` (q's
     dtype) and their value gradients into dv2 `[1, T, HV, V]` (dv's dtype), reading each piece's entry of d_table
     `[M, HV, K, V]` fp32. Returns each sequence's initial-state gradient `[N_r, HV, K, V]` fp32. q, k `[1, T, H, K]`

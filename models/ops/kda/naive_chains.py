@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from models.tree.round_chains import RoundChains
+    from models.ops.kda.call_arrays import ChainArrays
 
 __all__ = ["naive_fwd_h_chains", "naive_bwd_dhu_chains"]
 
 
-def _pieces(chains: RoundChains):
+def _pieces(chains: ChainArrays):
     """(sequence, bos, eos, boh, entry) of every piece, sequence by sequence in call order."""
     cols = (chains.piece_bos, chains.piece_eos, chains.piece_boh, chains.piece_state)
     bounds = chains.pieces.tolist()
@@ -35,7 +35,7 @@ def _heads(x: torch.Tensor, HV: int) -> torch.Tensor:
     return x[0].repeat_interleave(HV // x.shape[2], dim=1)
 
 
-def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: RoundChains, chunk_size: int, store_states: bool,
+def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: ChainArrays, chunk_size: int, store_states: bool,
                        config: dict | None = None) -> None:
     """`models.ops.kda.chains.fwd_h_chains`: h `[1, NT, HV, K, V]`, v_new `[1, T, HV, V]` written, table
     `[M, HV, K, V]` fp32 read (and written with `store_states`); k `[1, T, H, K]`, w, gk `[1, T, HV, K]`, u
@@ -57,7 +57,7 @@ def naive_fwd_h_chains(h, v_new, k, w, u, gk, table, chains: RoundChains, chunk_
             table[entry] = state
 
 
-def naive_bwd_dhu_chains(dh, dv2, q, k, w, do, dv, gk, d_table, scale: float, chains: RoundChains,
+def naive_bwd_dhu_chains(dh, dv2, q, k, w, do, dv, gk, d_table, scale: float, chains: ChainArrays,
                          chunk_size: int, config: dict | None = None) -> torch.Tensor:
     """`models.ops.kda.chains.bwd_dhu_chains`: dh `[1, NT, HV, K, V]`, dv2 `[1, T, HV, V]` written, d_table
     `[M, HV, K, V]` fp32 read; returns the initial-state gradients `[N_r, HV, K, V]` fp32 (`config` not read)."""

@@ -36,7 +36,7 @@ def default_kernels_run(function_name: str, kwargs: dict) -> bool:
 
 
 def fwd_h_kwargs(k, w, u, gk, initial_state, output_final_state: bool, call, chunk_size: int) -> dict:
-    """`chunk_gated_delta_rule_fwd_h`'s arguments for one call (`models.tree.layout.CoreCallTensors`): k `[1, T_j,
+    """`chunk_gated_delta_rule_fwd_h`'s arguments for one call (`models.ops.kda.call_arrays.CallArrays`): k `[1, T_j,
     H, K]` (gated keys), w `[1, T_j, HV, K]`, u `[1, T_j, HV, V]`, gk `[1, T_j, HV, K]`, initial_state
     `[N_j, HV, K, V]` fp32 or None. Without chunk offsets, as flat's `chunk_kda` calls it, so that fla's dispatch
     judges both alike (its intra-card context-parallel backend refuses calls that bring chunk offsets)."""

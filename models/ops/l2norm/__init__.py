@@ -1,13 +1,13 @@
-"""L2 norm over the last dim: `l2_norm` runs the Triton `fused_l2_norm` on CUDA unless `set_fused_rowwise(False)`, and
-`naive_l2_norm` otherwise."""
+"""L2 norm over the last dim: `l2_norm` runs the Triton `fused_l2_norm` on CUDA when `fused` (a model's
+`KernelSettings.fused_rowwise`), and `naive_l2_norm` otherwise."""
 
 from models.ops.dispatch import use_fused_rowwise
 from models.ops.l2norm.naive import naive_l2_norm
 
 
-def l2_norm(x, eps=1e-6):
-    """Signature and returns of `models.ops.l2norm.naive.naive_l2_norm`."""
-    if use_fused_rowwise(x):
+def l2_norm(x, eps=1e-6, *, fused=True):
+    """Signature and returns of `models.ops.l2norm.naive.naive_l2_norm`; `fused`: the kernel where it can run."""
+    if use_fused_rowwise(x, fused):
         from models.ops.l2norm.fused import fused_l2_norm
 
         return fused_l2_norm(x, eps)

@@ -8,7 +8,7 @@ or MLA's (K, V) = (192, 128) without GQA (`native_values`; MLA's value work is t
 Other shapes failed in flash-attn-4 4.0.0b36 on the H200: GQA with V != K ("GQA backward requires head_dim ==
 head_dim_v"), (64, 32) (a TMA layout error at compile time). For those the values are zero-padded to K inside the
 pair, exactly as in `flash.py`, and the outputs cut back. flash-attn-4 is imported on first call: the package is
-optional (`require_fa4`, checked by `kernels.use_cuda_attention`). The forward is a torch custom op, so selective
+optional (`require_fa4`, checked by `kernels.check_cuda_attention`). The forward is a torch custom op, so selective
 recomputation keeps its outputs as it keeps flash's (`models.recompute`)."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ __all__ = ["varlen_attention"]
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale):
-        forward_kernel, ctx.backward_kernel = varlen_kernels(q_QHK)
+    def forward(ctx, q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale, pair):
+        forward_kernel, ctx.backward_kernel = varlen_kernels(q_QHK, pair)
         out_QHV, lse = forward_kernel(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale)
         ctx.save_for_backward(q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k)
         ctx.sizes = (max_q, max_k, scale)
@@ -26,11 +26,11 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout_QHV):
         q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = ctx.backward_kernel(dout_QHV, q_QHK, k_SGK, v_SGV, out_QHV, lse, cu_q, cu_k, *ctx.sizes)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def varlen_attention(q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, pair: str = "flash") -> torch.Tensor:
     """Sequence n's queries `[cu_q[n], cu_q[n+1])` over its keys/values `[cu_k[n], cu_k[n+1])`, causal aligned
     bottom-right -> `[Q, H, V]` in q's dtype; differentiable in q, k and v.
 
@@ -39,6 +39,7 @@ def varlen_attention(q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tens
         cu_q, cu_k: int32/int64 `[N+1]` sequence offsets on q's device.
         max_q, max_k: the longest query and key sequence.
         scale: softmax scale.
+        pair: the CUDA kernel pair (`varlen_kernels`; a model's `KernelSettings.attention`).
 
     Raises:
         ValueError: the key/value heads do not divide the query heads, or V > K.
@@ -49,4 +50,4 @@ def varlen_attention(q_QHK: torch.Tensor, k_SGK: torch.Tensor, v_SGV: torch.Tens
     if v_SGV.shape[-1] > q_QHK.shape[-1]:
         raise ValueError(f"the value head dim {v_SGV.shape[-1]} must not exceed the query/key head dim "
                          f"{q_QHK.shape[-1]}")
-    return _VarlenAttention.apply(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale)
+    return _VarlenAttention.apply(q_QHK, k_SGK, v_SGV, cu_q, cu_k, max_q, max_k, scale, pair)

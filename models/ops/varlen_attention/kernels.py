@@ -1,7 +1,8 @@
 """Which (forward, backward) kernel pair packed causal attention runs for a tensor: for CUDA bf16/fp16 tensors the
-CUDA pair chosen by `use_cuda_attention` (torch's varlen FlashAttention-2 until a pair is chosen; "auto", the
-default of the RL job and the benchmarks, chooses FlashAttention-4 where it can run), the plain-torch reference
-otherwise. Flat execution and the tree's branch views both ask here, so they run the same kernels."""
+CUDA pair the caller names (a model's `KernelSettings.attention`: torch's varlen FlashAttention-2 by default; "auto",
+the default of the RL job and the benchmarks, chooses FlashAttention-4 where it can run, `auto_cuda_attention`), the
+plain-torch reference otherwise. Flat execution and the tree's branch views both ask here with their model's pair,
+so they run the same kernels."""
 
 import torch
 
@@ -17,18 +18,18 @@ CUDA_ATTENTION = {"flash": (flash_varlen_forward, flash_varlen_backward),
 ATTENTION_CHOICES = ("auto", *CUDA_ATTENTION)
 #: (query/key head dim, value head dim, GQA) of the attention the fa4 pair passed its CUDA tests with on an H200
 #: (`tests/models/ops/test_varlen_attention.py`, against the float64 reference; MLA's 192/128 and 96/64 also in
-#: whole bf16 steps, bitwise tree against flat: bench/RESULTS.md, sessions 14-15). "auto" takes fa4 for these only.
+#: whole bf16 steps, bitwise tree against flat: bench/RESULTS.md, "GPU: bf16 fidelity", and docs/history.md). "auto"
+#: takes fa4 for these only.
 FA4_TESTED_SHAPES = frozenset({(64, 64, False), (64, 64, True), (192, 128, False), (192, 128, True), (96, 64, False),
                                (64, 32, False)})
-_cuda_attention = "flash"
 
 
 def auto_cuda_attention(shapes=()) -> tuple[str, str]:
     """The pair "auto" means in this process for a model whose full-attention layers have `shapes` (`(K, V, GQA)`
     each, e.g. `{config.full_attention.attention_shape}`; none: no layer runs the kernels), and why: fa4 where
     `require_fa4` passes on a Hopper GPU (compute capability 9.x, where it was tested) and every shape is among
-    `FA4_TESTED_SHAPES` (on an H200 its kernels ran a SWE step's attention 2.2x faster than flash, with bf16 tree
-    log-probs still bitwise equal to flat: bench/RESULTS.md, session 14); else flash, with what keeps fa4 out."""
+    `FA4_TESTED_SHAPES` (its kernels run a SWE step's attention faster than flash, with bf16 tree log-probs still
+    bitwise equal to flat: bench/RESULTS.md, "GPU: attention kernels"); else flash, with what keeps fa4 out."""
     try:
         require_fa4()
     except RuntimeError as e:
@@ -45,42 +46,30 @@ def auto_cuda_attention(shapes=()) -> tuple[str, str]:
     return "fa4", "flash-attn-4 can run here, on head dims it was tested with"
 
 
-def use_cuda_attention(name: str) -> str:
-    """Run CUDA bf16/fp16 attention with pair `name` from now on; returns the pair used until now. ("auto" is
-    resolved by the caller, `auto_cuda_attention`, which needs the model's attention shapes.)
-
-    Raises:
-        ValueError: `name` is not a pair of `CUDA_ATTENTION`.
-        RuntimeError: fa4, and flash-attn-4 cannot be imported or this process's GPU is older than Hopper (the
-            message says why).
-    """
-    global _cuda_attention
+def check_cuda_attention(name: str) -> None:
+    """Raises unless CUDA bf16/fp16 attention can run with pair `name` in this process: ValueError when `name` is not
+    a pair of `CUDA_ATTENTION`; RuntimeError for fa4 where flash-attn-4 cannot be imported or the GPU is older than
+    Hopper (the message says why). ("auto" is resolved by the caller, `auto_cuda_attention`, which needs the model's
+    attention shapes.)"""
     if name not in CUDA_ATTENTION:
         raise ValueError(f"CUDA attention kernels are one of {', '.join(CUDA_ATTENTION)}, got {name!r}")
     if name == "fa4":
         require_fa4()
-    previous, _cuda_attention = _cuda_attention, name
-    return previous
 
 
-def cuda_attention() -> str:
-    """The name of the CUDA pair in use."""
-    return _cuda_attention
-
-
-def varlen_kernels(x: torch.Tensor):
-    """(forward, backward) for tensors like `x`."""
+def varlen_kernels(x: torch.Tensor, pair: str = "flash"):
+    """(forward, backward) for tensors like `x`: the CUDA pair `pair` (a name of `CUDA_ATTENTION`) where it runs."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        return CUDA_ATTENTION[_cuda_attention]
+        return CUDA_ATTENTION[pair]
     return naive_varlen_forward, naive_varlen_backward
 
 
-def pads_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor) -> bool:
-    """Whether the kernel pair for these queries runs these values at the query/key head dim K (flash always, fa4
-    unless `fa4.native_values`: a smaller V is zero-padded to K inside each call). A caller that gathers the values of
-    many views from one tensor pads that tensor once instead (`models.tree.branch_attention`): padding each gathered
-    view costs a copy of every view row."""
+def pads_values(q_QHK: torch.Tensor, v_SGV: torch.Tensor, pair: str = "flash") -> bool:
+    """Whether the kernel pair for these queries (`varlen_kernels(q_QHK, pair)`) runs these values at the query/key
+    head dim K (flash always, fa4 unless `fa4.native_values`: a smaller V is zero-padded to K inside each call). A
+    caller that gathers the values of many views from one tensor pads that tensor once instead
+    (`models.tree.branch_attention`): padding each gathered view costs a copy of every view row."""
     if v_SGV.shape[-1] >= q_QHK.shape[-1]:
         return False
-    forward = varlen_kernels(q_QHK)[0]
+    forward = varlen_kernels(q_QHK, pair)[0]
     return forward is flash_varlen_forward or (forward is fa4_varlen_forward and not native_values(q_QHK, v_SGV))

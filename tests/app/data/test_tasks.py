@@ -13,8 +13,8 @@ from app.__main__ import main
 from app.checkpoint import Checkpointer
 from app.config import JobConfig
 from app.config_loader import load_config
-from app.errors import ConfigError
 from app.data import DataConfig, DataExhausted, RecordStream, TaskFeed, build_task_feed
+from app.errors import ConfigError
 from rollout import demonstration_tree
 from rollout.chat_template import ChatTemplate
 from rollout.envs import AnswerEnv, CalculatorEnv, Environment

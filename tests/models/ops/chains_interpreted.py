@@ -17,12 +17,12 @@ import os
 
 import torch
 
-from models.ops.kda.tree_calls import _add_initial_gradients
 from models.ops.kda.chains import bwd_dhu_chains, fwd_h_chains
 from models.ops.kda.naive_chains import naive_bwd_dhu_chains, naive_fwd_h_chains
+from models.ops.kda.tree_calls import _add_initial_gradients
 from models.tree.core_calls import core_calls
 from models.tree.layout import CoreCalls
-from tests.models.ops.kda_calls_cases import B, ROUNDS, chained_side_calls, layer_calls
+from tests.models.ops.kda_calls_cases import ROUNDS, B, chained_side_calls, layer_calls
 from tests.models.tree.test_core_calls import make_plan
 
 SHAPES = {"K=64, V=64": (1, 2, 64, 64), "K=200, V=48": (2, 4, 200, 48)}  # (H, HV, K, V)

@@ -10,7 +10,10 @@ import torch
 from models.ops.conv import short_conv
 from models.ops.conv.naive import naive_causal_conv1d
 from models.ops.conv.recomputed_rows import (
-    RecomputedRows, RecomputedRowsConv, conv_recomputed_rows, naive_conv_recomputed_rows,
+    RecomputedRows,
+    RecomputedRowsConv,
+    conv_recomputed_rows,
+    naive_conv_recomputed_rows,
 )
 from models.tree.device_copy import to_device
 

@@ -14,7 +14,7 @@ from models.ops.delta_rule.fla_args import fla_chunk_arrays
 from models.tree.device_copy import to_device
 from models.tree.layout import CoreCalls
 from tests.models.ops.delta_rule_cases import make_inputs
-from tests.models.ops.kda_calls_cases import B, ROUNDS, layer_calls
+from tests.models.ops.kda_calls_cases import ROUNDS, B, layer_calls
 
 
 def test_fla_chunk_arrays_are_fla_bookkeeping():
@@ -104,21 +104,31 @@ def test_chain_recurrences_run_where_fla_dispatch_would_run_its_own_kernels(back
     assert recurrence.default_kernels_run("chunk_gated_delta_rule_fwd_h", {"k": None}) is default_runs
 
 
-@pytest.mark.parametrize("planned, runs, head_dim, message", [
-    (B, 32, 128, "planned for chunk size 64 and the mixer runs 32"),
-    (16, 16, 128, "`chunk_size` must be one of"),
-    (B, B, 320, "head dim K <= 256"),
+@pytest.mark.parametrize("chunk, head_dim, message", [
+    (16, 128, "`chunk_size` must be one of"),
+    (B, 320, "head dim K <= 256"),
 ])
-def test_fla_calls_refuse_what_fla_cannot_run(planned, runs, head_dim, message):
-    """The calls' path checks the limits the plain fla path checks (`check_fla_kda_limits`), and that the calls
-    were planned for the mixer's chunk size, before any kernel."""
+def test_fla_calls_refuse_what_fla_cannot_run(chunk, head_dim, message):
+    """The calls' path checks the limits the plain fla path checks (`check_fla_kda_limits`) before any kernel; it
+    takes the calls' arrays as the tree layer hands them over (`LinearAttention.core_calls`)."""
     from models.ops.kda.tree_calls import fla_kda_calls
 
-    calls = CoreCalls.build(layer_calls(ROUNDS["single call"]), planned, table_start=4)
+    calls = CoreCalls.build(layer_calls(ROUNDS["single call"]), chunk, table_start=4)
     T = sum(calls.call_rows)
     q = torch.zeros(T, 2, head_dim)
     with pytest.raises(ValueError, match=message):
-        fla_kda_calls(q, q, torch.zeros(T, 2, 8), q, torch.zeros(T, 2), calls, None, runs)
+        fla_kda_calls(q, q, torch.zeros(T, 2, 8), q, torch.zeros(T, 2), torch.zeros(3, 2, head_dim, 8),
+                      calls.cu_seqlens, calls.chunk_indices, calls.chunk_offsets, calls.calls, calls.chains, chunk)
+
+
+def test_calls_refuse_a_plan_for_another_chunk_size():
+    """The calls must be planned for the mixer's chunk size, checked before any kernel."""
+    calls = CoreCalls.build(layer_calls(ROUNDS["single call"]), B, table_start=4)
+    mixer = KimiDeltaAttention(KDAConfig(num_heads=2, head_dim=8, chunk_size=32), hidden_size=16, eps=1e-5)
+    T = sum(calls.call_rows)
+    inputs = CoreInputs(*(torch.zeros(T, 2, *shape) for shape in ((8,), (8,), (8,), (8,), ())))
+    with pytest.raises(ValueError, match="planned for chunk size 64 and the mixer runs 32"):
+        mixer.core_calls(inputs, calls, torch.zeros(3, 2, 8, 8))
 
 
 @pytest.mark.gpu

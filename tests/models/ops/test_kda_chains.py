@@ -86,6 +86,8 @@ def test_chain_kernels_repeat_fla_s_arithmetic_on_the_h200(K, BV):
     and the addressing differ. PTX, before ptxas schedules it; the H200 run of `test_kda_calls.py` checks bits."""
     from fla.ops.common.chunk_delta_h import (
         chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as stock_bwd,
+    )
+    from fla.ops.common.chunk_delta_h import (
         chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as stock_fwd,
     )
 

@@ -7,17 +7,19 @@ import pytest
 
 from models.ops import kernel_cache
 from models.ops.kernel_cache import (
-    FA4_CACHE_ENV, FA4_CACHE_ON_ENV, FA4_SUBFOLDER, TRITON_CACHE_ENV, cache_entries, use_kernel_cache,
+    FA4_CACHE_ENV,
+    FA4_CACHE_ON_ENV,
+    FA4_SUBFOLDER,
+    TRITON_CACHE_ENV,
+    cache_entries,
+    use_kernel_cache,
 )
+from models.ops.own_env import own_name
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in (TRITON_CACHE_ENV, FA4_CACHE_ENV, FA4_CACHE_ON_ENV):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_kernel_cache writes
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(kernel_cache, "_set_here", None)
-    monkeypatch.setattr(kernel_cache, "_fa4_set_here", None)
+def clean_env(clean_kernel_env):
+    """Every test here starts without the kernel libraries' variables (`clean_kernel_env`)."""
 
 
 def test_an_explicit_folder_wins_over_the_environment(tmp_path, monkeypatch):
@@ -44,11 +46,15 @@ def test_the_default_and_a_warm_folder(tmp_path):
     assert "(2 entries: kernels and shapes not among them compile on first use; from default)" in cache.describe()
 
 
-def test_a_folder_set_by_an_earlier_job_is_not_the_users(tmp_path):
-    """Two jobs in one process: the second one's default is not overridden by the first one's folder."""
+def test_a_folder_set_by_an_earlier_job_is_not_the_users(tmp_path, monkeypatch):
+    """Two jobs in one process: the second one's default is not overridden by the first one's folder, which the
+    environment records as set here (`models.ops.own_env`); a folder the user sets afterwards is the user's."""
     use_kernel_cache(None, tmp_path / "first", "train.kernel_cache")
+    assert os.environ[own_name(TRITON_CACHE_ENV)] == str(tmp_path / "first")
     cache = use_kernel_cache(None, tmp_path / "second", "train.kernel_cache")
     assert cache.folder == tmp_path / "second" and os.environ[TRITON_CACHE_ENV] == str(tmp_path / "second")
+    monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path / "user"))
+    assert use_kernel_cache(None, tmp_path / "third", "train.kernel_cache").source == TRITON_CACHE_ENV
 
 
 def test_nothing_set_means_tritons_own_default(tmp_path, monkeypatch):
@@ -79,7 +85,7 @@ def test_flash_attn_4_keeps_its_kernels_in_the_folder_unless_the_user_chose_its_
 
 
 @pytest.mark.parametrize("local_rank, named", [(None, 0), ("1", 1), ("4", None)])
-def test_tuned_configs_of_the_gpu_this_rank_runs_on(local_rank, named, monkeypatch):
+def test_tuned_configs_of_the_gpu_this_rank_runs_on(local_rank, named, tmp_path, monkeypatch):
     """The tuned configs are those of torchrun's LOCAL_RANK device (every rank naming the current device 0 would
     open a context on GPU 0 from each), else the current device; none for a LOCAL_RANK beyond the visible GPUs."""
     import torch
@@ -89,10 +95,11 @@ def test_tuned_configs_of_the_gpu_this_rank_runs_on(local_rank, named, monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: asked.append(index) or f"GPU {index}")
-    monkeypatch.setattr(kernel_cache, "use_tuned_configs", lambda name: f"configs of {name}")
+    monkeypatch.setattr(kernel_cache, "use_tuned_configs", lambda name, root: f"configs of {name} in {root.name}")
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert kernel_cache._tuned_configs() == ("" if named is None else f"configs of GPU {named}")
+    said = kernel_cache._tuned_configs(tmp_path / "tuned")
+    assert said == ("" if named is None else f"configs of GPU {named} in tuned")
     assert asked == ([] if named is None else [named])

@@ -5,10 +5,6 @@ in float64, and they equal transformers' modules (and the code they replaced) bi
 Tolerances: same operation order: bitwise (fp32 and bf16).
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +15,7 @@ import models.ops.rmsnorm.fused as rms_norm_fused
 from models.ops import dispatch, moe_combine, rms_norm, sigmoid_gate, swiglu
 from models.ops.glu import naive_sigmoid_gate, naive_swiglu
 from models.ops.rmsnorm import naive_rms_norm
+from models.ops.settings import KernelSettings
 
 D = 24
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
@@ -36,7 +33,6 @@ def tensors(dtype, *shape, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_dispatch_runs_the_references_on_cpu(dtype, monkeypatch):
-    monkeypatch.setattr(dispatch, "_fused_rowwise", True)
     monkeypatch.setattr(rms_norm_fused, "fused_rms_norm", refuse)
     monkeypatch.setattr(glu, "fused_swiglu", refuse)
     monkeypatch.setattr(glu, "fused_sigmoid_gate", refuse)
@@ -175,21 +171,21 @@ def test_vocabulary_pass_references_equal_the_replaced_code(dtype, entropy, monk
     assert torch.equal(got, d.bfloat16())
 
 
-def test_fused_rowwise_is_the_default_and_can_be_switched_off(monkeypatch):
-    """The fused paths run by default, not once switched off, and only on tensors the kernels take."""
-    fresh = subprocess.run([sys.executable, "-c", "import models.ops.dispatch as d; print(d._fused_rowwise)"],
-                           capture_output=True, text=True, check=True, cwd=Path(__file__).parents[3])
-    assert fresh.stdout.strip() == "True"
-    x = torch.ones(2, 3)
+def test_fused_rowwise_is_the_default_and_can_be_turned_off(monkeypatch):
+    """The fused paths run by default (`KernelSettings()`, and the dispatchers' default), not where a model's settings
+    turn them off, and only on tensors the kernels take."""
+    x, w = torch.ones(2, D), torch.ones(D)
+    assert KernelSettings().fused_rowwise
     monkeypatch.setattr(dispatch, "use_fla", lambda t: True)
-    monkeypatch.setattr(dispatch, "_fused_rowwise", True)
-    assert dispatch.use_fused_rowwise(x)
-    dispatch.set_fused_rowwise(False)
-    assert not dispatch.use_fused_rowwise(x)
-    dispatch.set_fused_rowwise(True)
-    assert dispatch.use_fused_rowwise(x)
+    assert dispatch.use_fused_rowwise(x, KernelSettings().fused_rowwise)
+    assert not dispatch.use_fused_rowwise(x, KernelSettings(fused_rowwise=False).fused_rowwise)
+    monkeypatch.setattr(rms_norm_fused, "fused_rms_norm", refuse)
+    with pytest.raises(AssertionError, match="the fast path ran"):
+        rms_norm(x, w, 1e-5, True)
+    for a, b in zip(rms_norm(x, w, 1e-5, True, fused=False), naive_rms_norm(x, w, 1e-5, True)):
+        assert torch.equal(a, b)
     monkeypatch.setattr(dispatch, "use_fla", lambda t: False)
-    assert not dispatch.use_fused_rowwise(x)
+    assert not dispatch.use_fused_rowwise(x, True)
 
 
 def test_moe_combine_of_no_rows():

@@ -38,14 +38,6 @@ def triton_cache(tmp_path):
     return cache
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in (CONFIG_DIR_ENV, CACHE_MODE_ENV):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores what use_tuned_configs writes
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(tuned_configs, "_set_here", None)
-
-
 def test_fla_loads_the_config_each_key_was_tuned_to_and_no_other(triton_cache, tmp_path, monkeypatch):
     from fla.ops.utils import cache as fla_cache
 
@@ -73,7 +65,7 @@ def test_two_tunings_of_one_key_are_refused(triton_cache, tmp_path):
         write_tuned_configs(triton_cache, tmp_path / "out", "NVIDIA H200", "a test")
 
 
-def test_the_folder_of_the_gpu_in_use_with_matching_versions(triton_cache, tmp_path, clean_env, monkeypatch):
+def test_the_folder_of_the_gpu_in_use_with_matching_versions(triton_cache, tmp_path, clean_kernel_env, monkeypatch):
     write_tuned_configs(triton_cache, tmp_path / "NVIDIA_H200", "NVIDIA H200", "bench.speed")
     monkeypatch.delitem(sys.modules, "fla", raising=False)
     said = use_tuned_configs("NVIDIA H200", root=tmp_path)
@@ -82,7 +74,7 @@ def test_the_folder_of_the_gpu_in_use_with_matching_versions(triton_cache, tmp_p
     assert use_tuned_configs("NVIDIA H200", root=tmp_path) == said  # a second job: the folder is not the user's
 
 
-def test_why_not(triton_cache, tmp_path, clean_env, monkeypatch):
+def test_why_not(triton_cache, tmp_path, clean_kernel_env, monkeypatch):
     assert use_tuned_configs("NVIDIA H100 80GB HBM3", root=tmp_path) == (
         "fla kernel configs: none tuned for NVIDIA H100 80GB HBM3 here: fla autotunes on first use")
     write_tuned_configs(triton_cache, tmp_path / "NVIDIA_H200", "NVIDIA H200", "bench.speed")

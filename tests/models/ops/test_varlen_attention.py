@@ -9,10 +9,17 @@ import pytest
 import torch
 
 from models.ops.varlen_attention import (
-    auto_cuda_attention, cuda_attention, fa4_varlen_forward, flash_varlen_forward, naive_varlen_backward,
-    naive_varlen_forward, pads_values, use_cuda_attention, varlen_attention, varlen_kernels,
+    auto_cuda_attention,
+    check_cuda_attention,
+    fa4_varlen_forward,
+    flash_varlen_forward,
+    kernels,
+    naive_varlen_backward,
+    naive_varlen_forward,
+    pads_values,
+    varlen_attention,
+    varlen_kernels,
 )
-from models.ops.varlen_attention import kernels
 from models.ops.varlen_attention.fa4 import fa4_interface, native_values
 
 # Three sequences: more keys than queries (bottom-right), equal, and a single query over many keys.
@@ -63,14 +70,17 @@ def test_cpu_tensors_run_the_reference_pair():
 
 
 def test_cuda_pair_choice_names_what_is_wrong(no_fa4):
-    """An unknown pair is refused with the choices; fa4 without flash-attn-4 says why and how to fix it; neither
-    changes the pair."""
+    """An unknown pair is refused with the choices, also as a kernel setting; fa4 without flash-attn-4 says why and
+    how to fix it; flash can always run."""
+    from models.ops.settings import KernelSettings
+
     with pytest.raises(ValueError, match="one of flash, fa4, got 'fa3'"):
-        use_cuda_attention("fa3")
+        check_cuda_attention("fa3")
+    with pytest.raises(ValueError, match="one of flash, fa4, got 'fa3'"):
+        KernelSettings(attention="fa3")
     with pytest.raises(RuntimeError, match="flash-attn-4 is not importable .*install the flash-attn-4 package"):
-        use_cuda_attention("fa4")
-    assert cuda_attention() == "flash"
-    assert use_cuda_attention("flash") == "flash"
+        check_cuda_attention("fa4")
+    check_cuda_attention("flash")
 
 
 def test_auto_takes_fa4_only_where_it_can_run_and_says_why_not(no_fa4, monkeypatch):
@@ -115,9 +125,10 @@ def _failing_import(error):
 
 
 def test_cpu_tensors_run_the_reference_whichever_pair_is_chosen(fake_fa4):
-    assert use_cuda_attention("fa4") == "flash" and cuda_attention() == "fa4"
-    assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16)) == (naive_varlen_forward, naive_varlen_backward)
-    assert not pads_values(torch.zeros(1, 4, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 128, dtype=torch.bfloat16))
+    check_cuda_attention("fa4")
+    assert varlen_kernels(torch.zeros(1, dtype=torch.bfloat16), "fa4") == (naive_varlen_forward, naive_varlen_backward)
+    assert not pads_values(torch.zeros(1, 4, 192, dtype=torch.bfloat16), torch.zeros(1, 2, 128, dtype=torch.bfloat16),
+                           "fa4")
 
 
 def test_fa4_takes_values_at_their_own_dim_only_where_its_hopper_backward_does():
@@ -159,8 +170,8 @@ def _relative_errors(got, ref):
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
-def _cuda_pair():
-    return varlen_kernels(torch.zeros(1, dtype=torch.bfloat16, device="cuda"))
+def _cuda_pair(pair: str):
+    return varlen_kernels(torch.zeros(1, dtype=torch.bfloat16, device="cuda"), pair)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
@@ -170,7 +181,7 @@ def test_cuda_pair_equals_reference(H, G, K, V, lens_q, lens_k, cuda_attention_p
     q, k, v, dout = _inputs(H, G, K, torch.bfloat16, "cuda", lens_q=lens_q, lens_k=lens_k, V=V)
     args = (_cu(lens_q, "cuda"), _cu(lens_k, "cuda"), max(lens_q), max(lens_k), K**-0.5)
     ref = _autograd_reference(*(x.double().cpu() for x in (q, k, v, dout)), K**-0.5, lens_q, lens_k)
-    forward, backward = _cuda_pair()
+    forward, backward = _cuda_pair(cuda_attention_pair)
     out, lse = forward(q, k, v, *args)
     got = (out, *backward(dout, q, k, v, out, lse, *args))
     assert got[0].shape == ref[0].shape and got[3].shape == ref[3].shape
@@ -183,7 +194,7 @@ def test_cuda_pair_equals_reference(H, G, K, V, lens_q, lens_k, cuda_attention_p
 def test_cuda_pair_takes_strided_values(G, cuda_attention_pair):
     """Values that are a split view of one projection (MLA's `[k_nope | v]`) give the results of packed values
     (fa4: at their own dim without GQA, padded with it)."""
-    forward, backward = _cuda_pair()
+    forward, backward = _cuda_pair(cuda_attention_pair)
     q, k, v, dout = _inputs(4, G, 192, torch.bfloat16, "cuda", lens_q=[50, 70, 13], lens_k=[50, 70, 13], V=128)
     kv = torch.cat([torch.randn_like(k), v], dim=-1)
     strided = kv[..., 192:]
@@ -200,14 +211,14 @@ def test_cuda_pair_takes_strided_values(G, cuda_attention_pair):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel pairs need CUDA")
 def test_cuda_varlen_attention_runs_the_chosen_pair(cuda_attention_pair):
     """The autograd Function (flat execution's attention) runs the chosen pair: its results equal the pair's."""
-    forward, backward = _cuda_pair()
+    forward, backward = _cuda_pair(cuda_attention_pair)
     assert forward is {"flash": flash_varlen_forward, "fa4": fa4_varlen_forward}[cuda_attention_pair]
     q, k, v, dout = _inputs(4, 2, 192, torch.bfloat16, "cuda", lens_q=LENS_K, lens_k=LENS_K, V=128)
     args = (_cu(LENS_K, "cuda"), _cu(LENS_K, "cuda"), max(LENS_K), max(LENS_K), 192**-0.5)
     out, lse = forward(q, k, v, *args)
     want = (out, *backward(dout, q, k, v, out, lse, *args))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = varlen_attention(q, k, v, *args)
+    out = varlen_attention(q, k, v, *args, cuda_attention_pair)
     got = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -220,4 +231,4 @@ def test_views_are_padded_once_exactly_where_the_pair_would_pad_them(cuda_attent
     for H, G, K, V in CUDA_SHAPES:
         q, _, v, _ = _inputs(H, G, K, torch.bfloat16, "cuda", V=V)
         want = V < K and (cuda_attention_pair == "flash" or not native_values(q, v))
-        assert pads_values(q, v) == want, (H, G, K, V)
+        assert pads_values(q, v, cuda_attention_pair) == want, (H, G, K, V)

@@ -94,7 +94,7 @@ def test_branch_groups_gradients_equal_dense(trajectories, max_view_rows, seed, 
            for h, d in ((H, K), (G, K), (G, V))]
     w = torch.randn(C, H, V, dtype=torch.float64, generator=g)
     grads = {}
-    with mock.patch("models.tree.branch_attention.pads_values", lambda q, v: pad_once):
+    with mock.patch("models.tree.branch_attention.pads_values", lambda q, v, pair: pad_once):
         for backend in ("dense", "branch"):
             out = tree_attention(*qkv, layout, 0.4, backend)
             grads[backend] = (out.detach(), *torch.autograd.grad((out * w).sum(), qkv))
@@ -165,7 +165,7 @@ def test_branch_groups_on_cuda(K, V, cuda_attention_pair):
     w = torch.randn(C, 4, V, device="cuda", dtype=torch.bfloat16, generator=g)
     res = {}
     for backend in ("dense", "branch"):
-        out = tree_attention(*qkv, layout, K**-0.5, backend)
+        out = tree_attention(*qkv, layout, K**-0.5, backend, cuda_attention_pair)
         res[backend] = (out.detach(), *torch.autograd.grad((out.float() * w.float()).sum(), qkv))
     for name, a, b in zip(("out", "dq", "dk", "dv"), res["branch"], res["dense"]):
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()

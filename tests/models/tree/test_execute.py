@@ -13,18 +13,20 @@ import numpy as np
 import pytest
 import torch
 
+from bench.branching import nested_fork_trajectories
 from models.config import GDNConfig
 from models.decoder import HybridForCausalLM
 from models.logprobs import naive_compact_logprobs
 from models.microbatch import prepare_microbatch
 from models.moe import load_balancing_loss, router_z_loss
 from models.presets import preset
-from models.tree.execute import tree_logprobs
 from models.tree.layout import TreeLayout
+from models.tree.mixers import TreeContext
 from planner.calls.plan import plan_calls
 from planner.cost_model import CostModel
+from planner.microbatch.flat import leaf_rows, with_flat_choices
+from planner.microbatch.plan import MicrobatchPlan, PlannedMicrobatch
 from planner.pack import pack
-from bench.branching import nested_fork_trajectories
 from tests.models.test_recompute import OPTIONS
 
 TOL = 1e-10
@@ -34,12 +36,13 @@ def small_config(name: str):
     """The preset's architecture at test size: small widths, small chunks so forks cross many chunk boundaries."""
     c = preset(name)
     if isinstance(c.linear_attention, GDNConfig):
-        lin = dataclasses.replace(c.linear_attention, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=16)
+        lin = dataclasses.replace(c.linear_attention, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                                  chunk_size=16)
         full = dataclasses.replace(c.full_attention, num_heads=4, num_kv_heads=2, head_dim=16)
     else:
         lin = dataclasses.replace(c.linear_attention, num_heads=2, head_dim=8, chunk_size=32)
-        full = dataclasses.replace(c.full_attention, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                   v_head_dim=8)
+        full = dataclasses.replace(c.full_attention, num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=8, v_head_dim=8)
     moe = dataclasses.replace(c.moe, num_experts=4, top_k=2, expert_intermediate_size=16,
                               shared_expert_intermediate_size=16)
     return dataclasses.replace(
@@ -83,8 +86,8 @@ def flat_run(model, trajectories, batch):
 def tree_run(model, batch, chunk, replay=True):
     plan = plan_calls(batch, chunk, replay=replay)
     layout = TreeLayout.build(batch, plan, model.config.linear_attention.conv_size)
-    lp, out = tree_logprobs(model, layout)
-    return lp, out.moe_stats, plan
+    out = model(TreeContext(layout))
+    return out.logprobs, out.moe_stats, plan
 
 
 def grads(model, loss):
@@ -126,51 +129,63 @@ def test_tree_equals_flat_float64(name, recompute):
     assert worst <= TOL, worst
 
 
-def test_tree_logprobs_entropy_and_forward_entry():
-    """`tree_logprobs(entropy=True)` through `model(layout, ...)`: the same log-probs and hidden states as without,
-    the entropies of the LM head over those hidden states; a plan made with another chunk size is refused."""
+def test_tree_forward_entropy():
+    """`model(ctx, entropy=True)`: the same log-probs and hidden states as without, the entropies of the LM head over
+    those hidden states, and `tree_hidden_states` the same hidden states; a plan made with another chunk size is
+    refused."""
     model = make_model("tiny-kimi-linear", torch.float64)
     chunk = model.config.linear_attention.chunk_size
     batch = pack(nested_fork_trajectories(np.random.default_rng(2), chunk, model.config.vocab_size, depth=2))
     layout = TreeLayout.build(batch, plan_calls(batch, chunk), model.config.linear_attention.conv_size)
     with torch.no_grad():
-        lp, out = tree_logprobs(model, layout)
-        lp_e, ent, out_e = tree_logprobs(model, layout, entropy=True)
-        direct = model(layout, entropy=True)
+        out = model(TreeContext(layout))
+        out_e = model(TreeContext(layout), entropy=True)
+        hidden = model.tree_hidden_states(TreeContext(layout)).hidden
     _, want = naive_compact_logprobs(out.hidden, model.lm_head_weight, layout.logit_row, layout.target, entropy=True)
-    assert torch.equal(lp_e, lp) and torch.equal(out_e.hidden, out.hidden) and torch.equal(direct.entropy, ent)
-    torch.testing.assert_close(ent, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out_e.logprobs, out.logprobs) and torch.equal(out_e.hidden, out.hidden)
+    assert torch.equal(hidden, out.hidden) and out.entropy is None
+    torch.testing.assert_close(out_e.entropy, want, rtol=1e-12, atol=1e-12)
     other = TreeLayout.build(batch, plan_calls(batch, 2 * chunk), model.config.linear_attention.conv_size)
     with pytest.raises(ValueError, match=f"chunk_size={chunk}"):
-        tree_logprobs(model, other)
+        model(TreeContext(other))
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
 def test_flat_expansion_equals_flat_float64(name):
-    """A microbatch the cost model sends flat (`prepare_microbatch(cost=..., capacity=...)`) is packed unshared,
-    reads its rows of k and v in place, and equals trajectory-wise execution like the trie does; the default cost
-    model keeps the trie, as does an expansion longer than the capacity; the plan's view-row count is the layout's."""
+    """A microbatch the cost model sends flat (the planner's choice, `planner.microbatch.flat.with_flat_choices`) is
+    packed unshared (`prepare_microbatch(flat=True)`), reads its rows of k and v in place, and equals
+    trajectory-wise execution like the trie does; the default cost model keeps the trie, as does an expansion longer
+    than the capacity; the planner's view-row count (`leaf_rows`, no call plan) is the plan's and the layout's."""
     rng = np.random.default_rng(3)
     model = make_model(name, torch.float64)
     chunk = model.config.linear_attention.chunk_size
     trajectories = nested_fork_trajectories(rng, chunk, model.config.vocab_size, depth=3)
     cpu = torch.device("cpu")
     S = sum(len(t) for t in trajectories)
-    flat_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(expansion_per_token=0.0), capacity=S)
-    trie_mb = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(), capacity=S)
-    too_long = prepare_microbatch(trajectories, model.config, cpu, cost=CostModel(expansion_per_token=0.0),
-                                  capacity=S - 1)
-    assert flat_mb.flat and not trie_mb.flat and not too_long.flat  # an expansion beyond the capacity stays a trie
+
+    def planned_flat(cost: CostModel, capacity: int) -> bool:
+        one = PlannedMicrobatch(tuple(range(len(trajectories))), 0, 0, pack(trajectories).num_compact)
+        plan = MicrobatchPlan((one,), 1, capacity, 0.0, "test")
+        return with_flat_choices(plan, trajectories, cost).microbatches[0].flat
+
+    assert planned_flat(CostModel(expansion_per_token=0.0), S)
+    assert not planned_flat(CostModel(), S)
+    assert not planned_flat(CostModel(expansion_per_token=0.0), S - 1)  # an expansion beyond the capacity stays a trie
+    flat_mb = prepare_microbatch(trajectories, model.config, cpu, flat=True)
+    trie_mb = prepare_microbatch(trajectories, model.config, cpu)
+    assert flat_mb.flat and not trie_mb.flat
     assert flat_mb.num_compact == flat_mb.num_semantic > trie_mb.num_compact
     assert all(g.own_rows for g in flat_mb.layout.attention.groups)
     for mb in (flat_mb, trie_mb):
-        assert mb.call_plan.view_rows(mb.batch.positions) == mb.layout.attention.kv_index.numel()
+        assert mb.call_plan.view_rows(mb.batches[0].positions) == mb.layout.attention.kv_index.numel()
+    assert leaf_rows(trajectories) == trie_mb.layout.attention.kv_index.numel()
 
-    lp_t, out = tree_logprobs(model, flat_mb.layout)
-    loss_t, _ = objective(lp_t, out.moe_stats, flat_mb.batch)
+    out = model(TreeContext(flat_mb.layout))
+    lp_t = out.logprobs
+    loss_t, _ = objective(lp_t, out.moe_stats, flat_mb.batches[0])
     g_t = grads(model, loss_t)
-    lp_f, stats_f = flat_run(model, trajectories, trie_mb.batch)
-    loss_f, _ = objective(lp_f, stats_f, trie_mb.batch)
+    lp_f, stats_f = flat_run(model, trajectories, trie_mb.batches[0])
+    loss_f, _ = objective(lp_f, stats_f, trie_mb.batches[0])
     g_f = grads(model, loss_f)
     assert (lp_t - lp_f).abs().max().item() <= TOL
     assert abs(loss_t.item() - loss_f.item()) <= TOL * abs(loss_f.item())

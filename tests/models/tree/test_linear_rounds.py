@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from bench.branching import nested_fork_trajectories
 from models.linear_attention import CoreInputs
-from models.tree.mixers import linear_attention_states, read_rows
 from models.tree.layout import TreeLayout
+from models.tree.mixers import linear_attention_states, read_rows
 from planner.calls.plan import plan_calls
 from planner.pack import pack
-from bench.branching import nested_fork_trajectories
 from tests.models.tree.test_execute import make_model
 
 

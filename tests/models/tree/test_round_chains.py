@@ -7,7 +7,7 @@ import pytest
 
 from models.tree.core_calls import core_calls
 from models.tree.layout import CoreCalls
-from tests.models.ops.kda_calls_cases import B, ROUNDS, layer_calls
+from tests.models.ops.kda_calls_cases import ROUNDS, B, layer_calls
 from tests.models.tree.test_core_calls import chunk_step, make_plan
 
 
