@@ -212,7 +212,7 @@ class VLLMEngine(Engine):
         """One batched `LLM.generate` over token-id prompts (TokensPrompt, detokenize=False, logprobs=0)."""
         from vllm import SamplingParams, TokensPrompt
 
-        if self._sleep_level is not None:
+        if self._asleep:
             raise RuntimeError(f"engine is asleep (level {self._sleep_level}); call wake_up() before generate()")
         if self.on_cpu and any(r.seed is not None for r in requests):
             raise ValueError(
