@@ -28,8 +28,13 @@ from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 TOKENIZER = build_char_tokenizer()
 PROMPT = TOKENIZER("<|bos|><|user|>12+7*3 and then 5*(4+9)-2<|end|><|assistant|>", add_special_tokens=False)[
     "input_ids"]
-#: Mean |log-prob| difference between vLLM and the trainer's forward, both bf16, on sampled tokens (nats).
-LOGPROB_MEAN_ABS = 0.05
+#: Mean |log-prob| difference between vLLM and the trainer's forward, both bf16, on sampled tokens (nats), per family.
+#: A wrong or missing weight moves log-probs by about 1. Kimi-Linear's floor is higher: vLLM 0.26 computes its router
+#: logits in bf16 (`KimiMoE.gate`, "Gate always runs at half / full precision") where the trainer and transformers
+#: use fp32, and on this random model (sigmoid router, 8 experts, routed scaling 2.446, an ungated shared expert)
+#: rounding the router logits alone to bf16 flips the expert set of 52 of 636 rows and moves sampled-token log-probs
+#: by 0.120 mean, 1.07 max (measured on the CPU in float32 otherwise; Qwen3-Next: 4 rows, 0.012).
+LOGPROB_MEAN_ABS = {"qwen3_next": 0.05, "kimi_linear": 0.25}
 #: Sleep level 1 must free at least this share of what the engine holds on the GPU.
 SLEEP_FREES = 0.9
 #: Prefix-cache granularity for hybrid models on GPU block sizes (rollout.vllm.prefix_match_unit).
@@ -99,7 +104,7 @@ def run_case(name: str, eager: bool, folder: Path) -> dict:
     report["|dlogp| mean"] = round(float(diffs.mean()), 4)
     report["|dlogp| max"] = round(float(diffs.max()), 4)
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in result.completions)
-    assert diffs.mean() <= LOGPROB_MEAN_ABS, report
+    assert diffs.mean() <= LOGPROB_MEAN_ABS[model.config.family], report
 
     # A branch continues its parent's path: the shared prefix comes from the cache in whole match units.
     parent = list(PROMPT) + list(result.completions[0].token_ids)
@@ -124,7 +129,7 @@ def run_case(name: str, eager: bool, folder: Path) -> dict:
         (again,) = engine.generate([request])
         again_diffs = logprob_diffs(model, again)
         report[f"|dlogp| mean after sleep({level})"] = round(float(again_diffs.mean()), 4)
-        assert again_diffs.mean() <= LOGPROB_MEAN_ABS, report
+        assert again_diffs.mean() <= LOGPROB_MEAN_ABS[model.config.family], report
 
     # A zeroed LM head makes every token equally likely: the reload reached the fused GPU parameters.
     zeroed = [(k, torch.zeros_like(v) if k == "lm_head.weight" else v) for k, v in checkpoint_tensors(model)]
