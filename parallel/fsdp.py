@@ -35,8 +35,6 @@ def apply_fsdp(roots: Sequence[nn.Module], meshes: ParallelMeshes, config: Paral
     """fully_shard the units above (in place): `roots` is the whole model, or this rank's pipeline stage parts
     (`pp_enabled`). Degree-1 meshes still get FSDP2, for its mixed-precision casts and the DTensor gradient
     handling of tensor/expert-parallel parameters."""
-    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
-
     compute = lambda name: None if name == "model" else DTYPES[name]  # noqa: E731  ("model": keep the dtype)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=compute(config.param_dtype),
@@ -44,7 +42,7 @@ def apply_fsdp(roots: Sequence[nn.Module], meshes: ParallelMeshes, config: Paral
         # Inputs keep their dtype (fp32 positions and row weights stay fp32).
         cast_forward_inputs=False,
     )
-    reshard = get_fsdp_reshard_after_forward_policy(config.reshard_after_forward, pp_enabled)
+    reshard = config.reshard_after(pp_enabled)
     for root in roots:
         for layer in [m for m in root.modules() if isinstance(m, DecoderLayer)]:
             if config.ep > 1 and isinstance(layer.mlp, MoE):

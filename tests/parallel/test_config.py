@@ -83,3 +83,13 @@ def test_selective_choosing_no_layer_is_refused_by_validate():
         config.resolved(1).validate(preset("tiny-kimi-linear"))
     ParallelConfig(activation_checkpointing="selective", selective=SelectiveRecompute(every=4)).resolved(1).validate(
         preset("tiny-kimi-linear"))
+
+
+@pytest.mark.parametrize("policy", ["default", "always", "never"])
+@pytest.mark.parametrize("pp_enabled", [False, True])
+def test_reshard_after_is_torchtitan_s_policy(policy, pp_enabled):
+    """`reshard_after` restates torchtitan's policy (whose module needs a torch newer than 2.11): the same answer
+    wherever torchtitan's imports."""
+    fsdp = pytest.importorskip("torchtitan.distributed.fsdp", exc_type=ImportError)
+    config = ParallelConfig(reshard_after_forward=policy)
+    assert config.reshard_after(pp_enabled) == fsdp.get_fsdp_reshard_after_forward_policy(policy, pp_enabled)

@@ -12,29 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.models.ops.interpreted import skip_where_refused
+
 ARITHMETIC = ("wgmma.mma_async", "mma.sync", "ex2", "mul.f32", "fma", "add.f32", "sub.f32", "cvt.rn.bf16")
-
-
-def _interpreter_refusal() -> str | None:
-    """Why Triton's interpreter cannot run the chain kernels here, or None. Triton 3.6's interpreter converts
-    one-element arrays to Python scalars, which numpy 2.4 turned from a deprecation into a TypeError ("only
-    0-dimensional arrays can be converted to Python scalars"); triton 3.7.1 and 3.9.0 run it under numpy 2.4."""
-    import numpy
-    import triton
-    from packaging.version import Version
-
-    if Version(triton.__version__) < Version("3.7.1") and Version(numpy.__version__) >= Version("2.4"):
-        return (f"triton {triton.__version__}'s interpreter converts one-element arrays to Python scalars, which "
-                f"numpy {numpy.__version__} (>= 2.4) refuses; needs triton >= 3.7.1 or numpy < 2.4")
-    return None
 
 
 def test_chain_kernels_match_their_reference_under_triton_s_interpreter():
     """The chain kernels' Triton code, run on the CPU by Triton's interpreter in a fresh process
     (`tests.models.ops.chains_interpreted`), against `models.ops.kda.naive_chains`: every output to fp32 rounding
     relative to its largest magnitude, and the recomputation's chunk states equal to the forward's."""
-    if reason := _interpreter_refusal():
-        pytest.skip(reason)
+    skip_where_refused()
     root = Path(__file__).resolve().parents[3]
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
