@@ -28,19 +28,20 @@ def interpreter_refusal() -> str | None:
     return None
 
 
-def skip_where_refused() -> None:
-    """Skip the calling test where `interpreter_refusal` names a reason."""
+def run_under_interpreter(args: list[str], timeout: int) -> dict:
+    """`python ARGS` in a fresh process under the interpreter, from the repository root (first on the path, before
+    any PYTHONPATH already set) -> its last line's JSON; skips the calling test where the interpreter cannot run
+    (`interpreter_refusal`)."""
     if reason := interpreter_refusal():
         pytest.skip(reason)
+    root = Path(__file__).resolve().parents[3]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    run = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=root, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def run_interpreted(script: str, cases: list) -> dict:
-    """`script` run with the JSON of `cases` as its one argument under the interpreter -> its last line's JSON; skips
-    the calling test where the interpreter cannot run (`interpreter_refusal`)."""
-    skip_where_refused()
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    """`script` run with the JSON of `cases` as its one argument under the interpreter -> its last line's JSON."""
+    return run_under_interpreter(["-c", script, json.dumps(cases)], timeout=600)

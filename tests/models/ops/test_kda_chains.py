@@ -4,15 +4,11 @@ arithmetic they must repeat instruction for instruction (tree and flat then comp
 configs taken from the stock kernels' tuned files. On CUDA, `test_kda_calls.py` runs them inside the tree's calls."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.models.ops.interpreted import skip_where_refused
+from tests.models.ops.interpreted import run_under_interpreter
 
 ARITHMETIC = ("wgmma.mma_async", "mma.sync", "ex2", "mul.f32", "fma", "add.f32", "sub.f32", "cvt.rn.bf16")
 
@@ -21,14 +17,7 @@ def test_chain_kernels_match_their_reference_under_triton_s_interpreter():
     """The chain kernels' Triton code, run on the CPU by Triton's interpreter in a fresh process
     (`tests.models.ops.chains_interpreted`), against `models.ops.kda.naive_chains`: every output to fp32 rounding
     relative to its largest magnitude, and the recomputation's chunk states equal to the forward's."""
-    skip_where_refused()
-    root = Path(__file__).resolve().parents[3]
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    run = subprocess.run([sys.executable, "-m", "tests.models.ops.chains_interpreted"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = run_under_interpreter(["-m", "tests.models.ops.chains_interpreted"], timeout=900)
     assert len(report) == 26
     for case, diffs in report.items():
         assert diffs.pop("recomputation's h - forward's") == 0, case
