@@ -122,9 +122,9 @@ class ParallelConfig:
         return ParallelConfig(**{**self.__dict__, "dp_shard": dp_shard})
 
     def reshard_after(self, pp_enabled: bool) -> bool:
-        """FSDP2's `reshard_after_forward` for `reshard_after_forward` (torchtitan's
-        `get_fsdp_reshard_after_forward_policy`, restated here: its module imports `DataParallelMeshDims` from
-        torch.distributed.fsdp, which torch 2.11, the torch of vLLM 0.26, lacks)."""
+        """The `reshard_after_forward` argument of FSDP2's `fully_shard` under this config's policy of that name
+        (torchtitan's `get_fsdp_reshard_after_forward_policy`, restated here: its module imports
+        `DataParallelMeshDims` from torch.distributed.fsdp, which torch 2.11, the torch of vLLM 0.26, lacks)."""
         return {"always": True, "never": False, "default": not pp_enabled}[self.reshard_after_forward]
 
     def recompute(self) -> bool | SelectiveRecompute:

@@ -32,8 +32,7 @@ PROMPT = TOKENIZER("<|bos|><|user|>12+7*3 and then 5*(4+9)-2<|end|><|assistant|>
 #: A wrong or missing weight moves log-probs by about 1. Kimi-Linear's floor is higher: vLLM 0.26 computes its router
 #: logits in bf16 (`KimiMoE.gate`, "Gate always runs at half / full precision") where the trainer and transformers
 #: use fp32, and on this random model (sigmoid router, 8 experts, routed scaling 2.446, an ungated shared expert)
-#: rounding the router logits alone to bf16 flips the expert set of 52 of 636 rows and moves sampled-token log-probs
-#: by 0.120 mean, 1.07 max (measured on the CPU in float32 otherwise; Qwen3-Next: 4 rows, 0.012).
+#: that rounding alone changes the expert set of some rows (its size: bench/RESULTS.md, "GPU: the vLLM engine").
 LOGPROB_MEAN_ABS = {"qwen3_next": 0.05, "kimi_linear": 0.25}
 #: Sleep level 1 must free at least this share of what the engine holds on the GPU.
 SLEEP_FREES = 0.9
